@@ -1,0 +1,29 @@
+"""pagewise engine: paged KV cache, continuous batching, offline and async APIs.
+
+Heavy modules (torch, transformers) load on first use so that light tools such as
+`engine plan` start instantly.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
+    if name in ("RequestOutput", "CompletionOutput"):
+        from engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

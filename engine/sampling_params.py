@@ -1,0 +1,80 @@
+"""SamplingParams: what a request asks of generation, with OpenAI semantics, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Upper bounds taken from the OpenAI API where it sets one.
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]")
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "a positive integer or None")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "a non-negative integer")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})")
+        check(is_num(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature", "in [0, 2]")
+        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", "-1, 0 (disabled) or a positive integer")
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+              "presence_penalty", "in [-2, 2]")
+        check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+              "frequency_penalty", "in [-2, 2]")
+        check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+              "repetition_penalty", "in (0, 10]")
+        check(self.seed is None or is_int(self.seed), "seed", "an integer or None")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings")
+        check(len(self.stop) <= 16, "stop", "at most 16 strings")
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), name, f"None or an integer in [0, {MAX_LOGPROBS}]")
