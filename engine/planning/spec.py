@@ -1,0 +1,211 @@
+"""ModelSpec: the dimensions of a decoder-only transformer, and its parameters counted tensor by tensor.
+
+Every estimator in this package reads a ModelSpec. The tensor list below mirrors the Hugging Face
+modules (Llama / Mistral / Qwen2 / Qwen3 and GPT-2), so the count is exact for those models and the
+number of tensors (which sets the optimizer's per-tensor `step` counters) comes out right too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+MLP_KINDS = ("swiglu", "gelu")  # gate/up/down with SiLU (Llama) | fc/proj with GELU (GPT-2/3)
+NORM_KINDS = ("rmsnorm", "layernorm")  # weight | weight and bias
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor. `split` says how tensor parallelism shards it (Megatron-LM layout):
+    "heads" / "ffn" / "vocab" split over TP ranks, "kv_heads" split until each rank holds one KV
+    head (then replicated), "none" replicated (norms, position table, row-parallel biases)."""
+
+    name: str
+    numel: int
+    split: str
+    place: str  # "embed" (first pipeline stage), "layer" (one per layer), "head" (last stage)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int = 2048
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    tie_word_embeddings: bool = False
+    learned_positions: bool = False  # GPT-2/3 absolute position table of max_position_embeddings rows
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    fused_qkv: bool = False  # GPT-2 Conv1D `c_attn`: one tensor for q, k, v (changes the tensor count only)
+    dtype: str = "bfloat16"
+    params_override: int | None = None  # a published total that replaces the computed one
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.mlp not in MLP_KINDS or self.norm not in NORM_KINDS:
+            raise ValueError(f"mlp must be one of {MLP_KINDS} and norm one of {NORM_KINDS}")
+        if self.params_override is not None and self.params_override <= 0:
+            raise ValueError(f"params must be positive, got {self.params_override}")
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
+        """From a Hugging Face config: a dict (e.g. `PretrainedConfig.to_dict()`), a config.json, or its folder."""
+        cfg = _load_config(config) if isinstance(config, (str, Path)) else dict(config)
+        if cfg.get("num_local_experts") or cfg.get("num_experts"):
+            raise ValueError("mixture-of-experts models are not modeled by the planning estimators")
+        model_type = cfg.get("model_type", "llama")
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+        name = cfg.get("_name_or_path") or model_type
+        if model_type == "gpt2" or "n_embd" in cfg:
+            hidden, heads = cfg["n_embd"], cfg["n_head"]
+            return cls(
+                name=name, num_layers=cfg["n_layer"], hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                head_dim=hidden // heads, ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
+                vocab_size=cfg["vocab_size"], max_position_embeddings=cfg.get("n_positions", 1024),
+                mlp="gelu", norm="layernorm", tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                learned_positions=True, qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True, dtype=dtype,
+            )
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            name=name, num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,  # explicit head_dim wins (Qwen3)
+            ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 hard-codes bias on q, k, v only
+            out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3", dtype=dtype,
+        )
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelSpec:
+        from engine.planning.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        return replace(cls.from_hf_config(PRESETS[name]), name=name)
+
+    def with_params(self, params: int | None) -> ModelSpec:
+        return self if params is None else replace(self, params_override=int(params))
+
+    # ---- parameters ---------------------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def param_tensors(self) -> list[ParamTensor]:
+        """Every parameter tensor, tied ones once (as `model.parameters()` yields them)."""
+        h, f, norm_tensors = self.hidden_size, self.ffn_hidden_size, 1 if self.norm == "rmsnorm" else 2
+        t = [ParamTensor("embed_tokens", self.vocab_size * h, "vocab", "embed")]
+        if self.learned_positions:
+            t.append(ParamTensor("embed_positions", self.max_position_embeddings * h, "none", "embed"))
+        t += [ParamTensor(f"input_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
+        if self.fused_qkv:  # GPT-2 c_attn; GPT-2 has no GQA, so the whole tensor splits by heads
+            t.append(ParamTensor("qkv_proj", h * (self.q_size + 2 * self.kv_size), "heads", "layer"))
+            if self.qkv_bias:
+                t.append(ParamTensor("qkv_proj.bias", self.q_size + 2 * self.kv_size, "heads", "layer"))
+        else:
+            for proj, size, split in (("q", self.q_size, "heads"), ("k", self.kv_size, "kv_heads"), ("v", self.kv_size, "kv_heads")):
+                t.append(ParamTensor(f"{proj}_proj", h * size, split, "layer"))
+                if self.qkv_bias:
+                    t.append(ParamTensor(f"{proj}_proj.bias", size, split, "layer"))
+        if self.qk_norm:
+            t += [ParamTensor("q_norm", self.head_dim, "none", "layer"), ParamTensor("k_norm", self.head_dim, "none", "layer")]
+        t.append(ParamTensor("o_proj", self.q_size * h, "heads", "layer"))
+        if self.out_bias:
+            t.append(ParamTensor("o_proj.bias", h, "none", "layer"))  # row-parallel bias: replicated
+        t += [ParamTensor(f"post_attention_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
+        up = ("gate_proj", "up_proj") if self.mlp == "swiglu" else ("fc",)
+        for proj in up:
+            t.append(ParamTensor(proj, h * f, "ffn", "layer"))
+            if self.mlp_bias:
+                t.append(ParamTensor(f"{proj}.bias", f, "ffn", "layer"))
+        t.append(ParamTensor("down_proj", f * h, "ffn", "layer"))
+        if self.mlp_bias:
+            t.append(ParamTensor("down_proj.bias", h, "none", "layer"))
+        t += [ParamTensor(f"final_norm.{i}", h, "none", "head") for i in range(norm_tensors)]
+        if not self.tie_word_embeddings:
+            t.append(ParamTensor("lm_head", self.vocab_size * h, "vocab", "head"))
+        return t
+
+    def num_param_tensors(self) -> int:
+        """Tensors in `model.parameters()`: embeddings and head once, layer tensors once per layer."""
+        tensors = self.param_tensors()
+        per_layer = sum(1 for p in tensors if p.place == "layer")
+        return len(tensors) - per_layer + per_layer * self.num_layers
+
+    def computed_params(self) -> int:
+        return self._stage_params(tp=1, layers=self.num_layers, first=True, last=True, tied_copy=False)
+
+    @property
+    def params(self) -> int:
+        return self.params_override or self.computed_params()
+
+    def params_per_gpu(self, tp: int = 1, pp: int = 1) -> int:
+        """Parameters on the busiest GPU of a TP x PP layout (the stage with the most).
+
+        Stages own contiguous layers, the first `L mod pp` stages one more; the first stage also holds
+        the embeddings, the last the final norm and LM head. With tied embeddings and pp > 1 the last
+        stage keeps its own copy of the embedding matrix as the head (Megatron-LM, Shoeybi et al. 2019).
+        A `params_override` scales the result by override / computed total.
+        """
+        base, extra = divmod(self.num_layers, pp)
+        stage_sizes = [
+            self._stage_params(tp, base + (s < extra), first=s == 0, last=s == pp - 1, tied_copy=pp > 1)
+            for s in range(pp)
+        ]
+        busiest = max(stage_sizes)
+        if self.params_override is None:
+            return busiest
+        return round(busiest * self.params_override / self.computed_params())
+
+    def _stage_params(self, tp: int, layers: int, first: bool, last: bool, tied_copy: bool) -> int:
+        total = 0
+        for p in self.param_tensors():
+            count = {"embed": int(first), "layer": layers, "head": int(last)}[p.place]
+            total += count * self._shard(p, tp)
+        if last and self.tie_word_embeddings and tied_copy:
+            total += self._shard(ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), tp)
+        return total
+
+    def _shard(self, p: ParamTensor, tp: int) -> int:
+        """Elements of `p` on one TP rank; a rank holding a part of the vocabulary holds ceil(V / tp) rows."""
+        if p.split == "none" or tp == 1:
+            return p.numel
+        if p.split == "kv_heads":
+            return p.numel * max(1, self.num_kv_heads // tp) // self.num_kv_heads
+        if p.split == "vocab":
+            return -(-self.vocab_size // tp) * (p.numel // self.vocab_size)
+        return p.numel // tp
+
+
+def _load_config(path: str | Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json at {path}")
+    return json.loads(path.read_text())
