@@ -1,0 +1,248 @@
+"""EngineCore.step(): schedule -> execute -> sample -> update. Not thread-safe: one thread drives it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.sampler import Sampler, SampleResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its n choices (streams forked once the prompt is done)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    streams: list[Request | None]
+    detokenizers: list[IncrementalDetokenizer]
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    def live_streams(self) -> list[Request]:
+        return [s for s in self.streams if s is not None and not s.is_finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s is not None and s.is_finished for s in self.streams)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = resolve_model(config.model, config.tokenizer)
+        self.tokenizer = source.tokenizer
+        self.model_name = source.name
+        self.eos_token_ids = source.eos_token_ids
+        self.runner = ModelRunner(config, source)
+        self.vocab_size = source.hf_config.vocab_size
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = self.runner.max_model_len
+        if self.max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} does not fit the KV cache ({capacity} tokens): "
+                    "lower max_model_len or raise kv_cache_memory / gpu_memory_utilization")
+            logger.warning("max_model_len lowered from %d to the KV cache capacity, %d tokens",
+                           self.max_model_len, capacity)
+            self.max_model_len = capacity
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.device)
+        self.groups: dict[str, _Group] = {}
+        self._aborted: list[RequestOutput] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%d bytes/token, %s, %s); max_model_len %d",
+                    self.runner.num_blocks, config.block_size, capacity, self.runner.kv_bytes_per_token(),
+                    self.runner.kv_dtype, self.runner.device, self.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context window (max_model_len) is {self.max_model_len}, "
+                "which must leave room for at least one generated token: shorten the prompt")
+        p = sampling_params
+        group = _Group(request_id, prompt, ids, p, [None] * p.n,
+                       [IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop,
+                                               p.include_stop_str_in_output) for _ in range(p.n)])
+        first = Request(request_id, ids, p, index=0, arrival_time=arrival_time)
+        group.streams[0] = first
+        self.groups[request_id] = group
+        self.scheduler.add(first)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Free the requests' blocks now; each is reported once more, finished with reason "abort"."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for i, s in enumerate(group.streams):
+                if s is None:
+                    s = group.streams[i] = Request(rid, group.prompt_token_ids, group.params, index=i)
+                if not s.is_finished:
+                    s.finish_reason = "abort"
+                    self.scheduler.finish(s)
+            self._aborted.append(self._output(group))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self._aborted)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_work():
+            return outputs
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        logits = self.runner.execute_model(batch)
+        for req, n in batch.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+        for req, first_token, rows in logits.prompt_logits:
+            self._record_prompt_logprobs(req, first_token, rows)
+        rows, reqs = [], []
+        for i, req in enumerate(logits.sample_reqs):
+            rows.append(i)
+            reqs.append(req)
+            if not req.forked:
+                for child in self._fork(req):
+                    rows.append(i)
+                    reqs.append(child)
+        touched: dict[str, _Group] = {}
+        if reqs:
+            sample_logits = logits.sample_logits if rows == list(range(len(rows))) else logits.sample_logits[rows]
+            for req, result in zip(reqs, self.sampler(sample_logits, reqs)):
+                group = self.groups[req.request_id]
+                if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
+                    self.prompt_tokens_total += req.num_prompt_tokens
+                    group.num_cached_tokens = req.num_cached_tokens
+                self._append_token(group, req, result)
+                touched[req.request_id] = group
+        for group in touched.values():
+            outputs.append(self._output(group))
+            if group.finished:
+                del self.groups[group.request_id]
+        return outputs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The parent's prompt is done: its n - 1 sibling choices share its blocks from here on."""
+        parent.forked = True
+        group = self.groups[parent.request_id]
+        children = []
+        for i in range(1, parent.sampling_params.n):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling_params, index=i)
+            child.forked = True
+            group.streams[i] = child
+            copies = self.kv.fork(parent, child)
+            if copies is None:  # no block for the copy: this choice recomputes its prompt later
+                self.scheduler.add(child)
+                continue
+            self.runner.copy_blocks(copies)
+            self.scheduler.running.append(child)
+            children.append(child)
+        return children
+
+    def _append_token(self, group: _Group, req: Request, result: SampleResult) -> None:
+        tok = result.token_id
+        req.output_token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.logprobs is not None:
+            req.logprobs.append(result.top_logprobs)
+            req.cumulative_logprob += result.logprob
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        reason, stop_reason = None, None
+        if n_out >= p.min_tokens and not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "stop"
+        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        else:
+            stop = group.detokenizers[req.index].add_token(tok)
+            if stop is not None and n_out >= p.min_tokens:
+                reason, stop_reason = "stop", stop
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason, stop_reason
+            self.scheduler.finish(req)
+
+    def _record_prompt_logprobs(self, req: Request, first_token: int, rows) -> None:
+        import torch
+
+        n_top = req.sampling_params.prompt_logprobs
+        lp = torch.log_softmax(rows, dim=-1)
+        targets = req.prompt_token_ids[first_token:first_token + lp.shape[0]]
+        skip = len(req.prompt_logprobs) - first_token  # rows already scored before a preemption
+        for row, tok in list(zip(lp, targets))[skip:]:
+            entry = {}
+            if n_top:
+                vals, ids = torch.topk(row, n_top)
+                entry = dict(zip(ids.tolist(), vals.tolist()))
+            entry[tok] = float(row[tok])
+            req.prompt_logprobs.append(entry)
+        self.groups[req.request_id].prompt_logprobs = req.prompt_logprobs
+
+    def _output(self, group: _Group) -> RequestOutput:
+        choices = []
+        for i, s in enumerate(group.streams):
+            if s is None:
+                choices.append(CompletionOutput(i, "", []))
+                continue
+            finished = s.is_finished
+            choices.append(CompletionOutput(
+                index=i, text=group.detokenizers[i].output_text(finished), token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, choices, group.finished,
+                             prompt_logprobs=group.prompt_logprobs, num_cached_tokens=group.num_cached_tokens)
+
+    # ---- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_used_blocks": kv.num_blocks - kv.num_free_blocks,
+            "num_total_blocks": kv.num_blocks,
+            "prefix_cache_hit_rate": kv.hit_rate,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_chunked_prefills": self.scheduler.num_chunked_prefills,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }

@@ -1,0 +1,73 @@
+"""LLM: the offline API. Submit many prompts, step the engine until all finish, return in order."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config):
+        self.config = EngineConfig(model=model, **config)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return self._run(list(zip(prompts, ids)), params, use_tqdm)
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        order = {}
+        try:
+            for (text, ids), p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, p, prompt=text)
+                order[rid] = len(order)
+        except ValueError:
+            self.engine.abort_request(list(order))  # nothing half-submitted stays behind
+            self.engine.step()
+            raise
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
+        start, generated = time.perf_counter(), 0
+        while any(r is None for r in results):
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix(output_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        bar.close()
+        return results

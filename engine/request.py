@@ -1,0 +1,66 @@
+"""Request: one generation stream (one choice) moving through waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV is recomputed when rescheduled
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 index: int = 0, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.index = index  # which of the parent's n choices this stream is
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.status = RequestStatus.WAITING
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first scheduling
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        self.forked = sampling_params.n == 1  # n > 1: the parent forks its choices once its prompt is done
+        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+
+    @property
+    def key(self) -> str:
+        """Unique per stream: the request id plus the choice index."""
+        return f"{self.request_id}#{self.index}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
