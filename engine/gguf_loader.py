@@ -1,0 +1,185 @@
+"""Read a GGUF file (llama.cpp's format) as a Hugging Face-style model.
+
+`load_gguf(path)` gives the transformers config, the tokenizer (with its chat
+template), the generation settings, and `tensors()`: (HF parameter name, float32
+tensor) pairs dequantized with the `gguf` package. The engine loads those pairs
+exactly as it loads a safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+# GGUF `general.architecture` -> (config class, HF architecture name).
+# llama.cpp writes Mistral and SmolLM2 as "llama" too.
+_ARCHITECTURES = {
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+}
+
+# GGUF tensor names (llama.cpp's gguf-py MODEL_TENSOR table) -> HF parameter names.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _hf_name(gguf_name: str) -> str:
+    if m := _BLOCK_RE.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    else:
+        base, _, kind = gguf_name.rpartition(".")
+        if base in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pagewise")
+
+
+def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation.
+
+    convert_hf_to_gguf.py (LlamaModel.permute) stores q_proj/k_proj rows as
+        w.reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2).reshape(w.shape)
+    i.e. it interleaves the two rotate-half halves of each head into GPT-J-style
+    (even, odd) pairs for ggml's rope. Swapping the same axes back restores HF order.
+    """
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class GGUFModel:
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None when the file has no tokenizer metadata
+    generation_config: GenerationConfig
+    reader: GGUFReader = field(repr=False)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor), dequantizing one tensor at a time."""
+        cfg = self.config
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            # dequantize() returns rows in torch's (out_features, in_features) order.
+            w = dequantize(t.data, t.tensor_type)
+            # Only llama.cpp's LlamaModel converter permutes; qwen2/qwen3 keep HF order.
+            if cfg.model_type == "llama":
+                if ".q_proj." in name:
+                    w = _unpermute_rotary(w, cfg.num_attention_heads)
+                elif ".k_proj." in name:
+                    w = _unpermute_rotary(w, cfg.num_key_value_heads)
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: off the memmap
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if f.types == [GGUFValueType.FLOAT32]:
+        # Shortest repr that round-trips the float32 restores the HF value (1e-05, not 9.9999997e-06).
+        return float(str(np.float32(f.contents())))
+    return f.contents()
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if kind == "none" and (linear := _field(reader, f"{arch}.rope.scale_linear")):  # pre-2024 files
+        kind, factor = "linear", linear
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        if (orig := _field(reader, f"{arch}.rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
+
+
+def load_gguf(path: str | os.PathLike) -> GGUFModel:
+    path = os.fspath(path)
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: {sorted(_ARCHITECTURES)}"
+        )
+    names = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        # llama.cpp stores Llama 3.1-style rope scaling as per-dimension factors, not as config.
+        raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; use the HF checkpoint")
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    eos_ids = [
+        _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")  # eot/eom: llama3 chat ends
+    ]
+    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+    eos = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
+    special = dict(
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    head_dim = meta("attention.key_length")
+    config_cls, hf_arch = _ARCHITECTURES[arch]
+    config = config_cls(
+        architectures=[hf_arch],
+        # token_embd's row count is the vocab the weights have; `{arch}.vocab_size` is often absent.
+        vocab_size=int(names["token_embd.weight"].shape[1]),
+        hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=meta("attention.head_count"),
+        num_key_value_heads=meta("attention.head_count_kv", meta("attention.head_count")),
+        **({"head_dim": head_dim} if head_dim is not None else {}),
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(reader, arch),
+        tie_word_embeddings="output.weight" not in names,
+        **special,
+    )
+
+    tokenizer = None
+    if "tokenizer.ggml.model" in reader.fields:
+        folder, name = os.path.split(os.path.abspath(path))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if (template := _field(reader, "tokenizer.chat_template")) is not None:
+            tokenizer.chat_template = template
+    return GGUFModel(config, tokenizer, GenerationConfig(**special), reader)
