@@ -1,0 +1,335 @@
+"""AsyncEngine: one background thread drives EngineCore.step(); each request gets an async stream.
+
+EngineCore is not thread-safe, so the engine thread is the only one that touches it. The
+asyncio side never calls the core: `generate()` and `abort()` append commands to a queue
+that the engine thread applies between steps, and the engine thread hands each step's
+outputs back to the event loop with one `call_soon_threadsafe`. Every request shares the
+continuous batch; nothing here serializes generation.
+
+Outputs are cumulative, so a request's stream keeps only the newest one: a slow consumer
+sees fewer, larger updates instead of a growing backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagewise.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a failed step or a failed start); no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: the request was not admitted (HTTP 503, retry later)."""
+
+
+class EngineShuttingDownError(EngineOverloadedError):
+    """The engine is draining for shutdown and admits nothing new."""
+
+
+class _RequestStream:
+    """The newest output of one request, handed from the engine thread to its consumer."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt = prompt
+        self.finished = False  # a final output or an error was delivered
+        self.last: RequestOutput | None = None
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.finished:
+            return  # e.g. the core's own abort echo after we already closed the stream
+        self._latest = self.last = output
+        self.finished = output.finished
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.finished:
+            return
+        self._error, self.finished = error, True
+        self._ready.set()
+
+    def abort_output(self) -> RequestOutput:
+        """A final output built from what the client already has, marked finish_reason=abort."""
+        if self.last is None:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                 [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
+        outputs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in self.last.outputs]
+        return dataclasses.replace(self.last, outputs=outputs, finished=True)
+
+    async def get(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                output, self._latest = self._latest, None
+                return output
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            await self._ready.wait()
+
+
+class AsyncEngine:
+    """The async face of one engine: generate / abort / stats / check_health / start / shutdown."""
+
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], object] | None = None):
+        self.config = config
+        self._core_factory = core_factory or _default_core_factory
+        self._core = None  # touched only by the engine thread (and read-only attributes at start)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: collections.deque = collections.deque()  # appended here, drained by the thread
+        self._wake = threading.Event()
+        self._stop = False
+        self._streams: dict[str, _RequestStream] = {}  # event-loop side only
+        # Admission bookkeeping shared with the engine thread (under _lock): requests admitted
+        # but not yet handed to the core, and the core's stats as of the last change.
+        self._lock = threading.Lock()
+        self._num_pending = 0
+        self._core_stats: dict = {}
+        self._counters = {"num_requests_admitted": 0, "num_requests_rejected": 0, "num_requests_aborted": 0,
+                          "num_requests_failed": 0}
+        self._accepting = False
+        self._shutdown_task: asyncio.Future | None = None
+        self._dead: BaseException | None = None
+        # Filled in by start() from the core.
+        self.tokenizer = None
+        self.model_name: str = ""
+        self.max_model_len: int = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Build the core in the engine thread (weights load there) and start stepping."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="pagewise-engine", daemon=True)
+        self._thread.start()
+        await ready  # raises whatever the core's constructor raised
+        self._accepting = True
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest,
+        stop the engine thread. Safe to call more than once (a signal and the app's lifespan
+        both call it): every caller waits for the same shutdown."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(timeout))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, timeout: float) -> None:
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and self._dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.warning("shutdown: aborting %d unfinished request(s) after %.1fs", len(self._streams), timeout)
+        for request_id, stream in list(self._streams.items()):
+            self.abort(request_id)
+            stream.put(stream.abort_output())  # the client gets a final event, not a cut connection
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive() and not self._stop
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
+        if not self.is_healthy:
+            raise EngineDeadError("engine is not running")
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs until the request finishes.
+
+        Raises (on the first iteration) EngineOverloadedError when the waiting queue is full,
+        ValueError when the core rejects the request, EngineDeadError when the loop died.
+        Closing the iterator early aborts the request and frees its blocks.
+        """
+        stream = self._admit(request_id, prompt_token_ids, prompt)
+        self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt))
+        self._wake.set()
+        if self.config.log_requests:
+            logger.info("request %s: prompt=%r token_ids=%s params=%s", request_id, prompt,
+                        prompt_token_ids, sampling_params)
+        try:
+            while True:
+                output = await stream.get()
+                if output.finished and self.config.log_requests:
+                    logger.info("request %s finished: %s", request_id,
+                                [(c.finish_reason, c.text) for c in output.outputs])
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)  # the consumer went away (disconnect, cancel, error)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort now: the engine thread frees the blocks before its next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._counters["num_requests_aborted"] += len(ids)
+        self._commands.append(("abort", ids))
+        self._wake.set()
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None) -> _RequestStream:
+        self.check_health()
+        if not self._accepting:
+            self._counters["num_requests_rejected"] += 1
+            raise EngineShuttingDownError("server is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        with self._lock:
+            if self._queue_full_locked():
+                self._counters["num_requests_rejected"] += 1
+                raise EngineOverloadedError(
+                    f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})")
+            self._num_pending += 1
+        self._counters["num_requests_admitted"] += 1
+        stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt)
+        return stream
+
+    def _queue_full_locked(self) -> bool:
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return False
+        # A request "waits" when it cannot get a sequence slot now: count the core's waiting
+        # queue plus requests not yet handed over, minus the slots still free.
+        s = self._core_stats
+        free_slots = max(0, self.config.max_num_seqs - s.get("num_running", 0))
+        would_wait = s.get("num_waiting", 0) + self._num_pending - free_slots
+        return would_wait >= limit
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """The core's stats as of its last change, plus this engine's own counters."""
+        with self._lock:
+            stats = dict(self._core_stats)
+            pending = self._num_pending
+        stats["num_waiting"] = stats.get("num_waiting", 0) + pending  # not-yet-handed-over requests wait too
+        stats["num_pending"] = pending
+        stats.update(self._counters)
+        stats["healthy"] = self.is_healthy
+        return stats
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self, ready: asyncio.Future) -> None:
+        try:
+            core = self._core = self._core_factory(self.config)
+            self.model_name = core.model_name
+            self.max_model_len = core.max_model_len
+            self.tokenizer = _private_copy(core.tokenizer)
+            with self._lock:
+                self._core_stats = core.stats()
+        except BaseException as e:  # a failed start is reported to start()'s caller
+            self._dead = e
+            self._post(lambda: ready.done() or ready.set_exception(e))
+            return
+        self._post(lambda: ready.done() or ready.set_result(None))
+        try:
+            while not self._stop:
+                self._wake.clear()  # cleared before draining, so a command added now re-wakes us
+                self._apply_commands(core)
+                if core.has_unfinished_requests():
+                    outputs = core.step()
+                    with self._lock:
+                        self._core_stats = core.stats()
+                    if outputs:
+                        self._post(lambda outs=outputs: self._deliver(outs))
+                else:
+                    self._wake.wait()
+            self._apply_commands(core)  # stopping: still free the blocks of the last aborts
+        except BaseException as e:
+            logger.exception("engine loop died; failing all pending requests")
+            self._dead = e
+            self._post(lambda: self._fail_all(e))
+
+    def _apply_commands(self, core) -> None:
+        rejected = []
+        changed = False
+        while self._commands:
+            command = self._commands.popleft()
+            changed = True
+            if command[0] == "add":
+                _, request_id, prompt_token_ids, params, prompt = command
+                try:
+                    core.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+                except ValueError as e:  # the user's request, not the engine, is at fault
+                    rejected.append((request_id, e))
+                except Exception as e:  # a bug for this one request: report it, keep serving the rest
+                    logger.exception("add_request failed for request %s", request_id)
+                    rejected.append((request_id, RuntimeError(f"internal error: {type(e).__name__}")))
+                finally:
+                    with self._lock:
+                        self._num_pending -= 1
+            else:
+                core.abort_request(command[1])
+        if changed:
+            with self._lock:
+                self._core_stats = core.stats()
+        if rejected:
+            self._post(lambda: [self._fail(rid, e) for rid, e in rejected])
+
+    def _post(self, callback: Callable[[], object]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    # ----------------------------------------------------------------- event-loop side
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
+
+    def _fail_all(self, cause: BaseException) -> None:
+        self._accepting = False
+        for request_id, stream in list(self._streams.items()):
+            self._counters["num_requests_failed"] += 1
+            stream.fail(EngineDeadError(f"engine loop stopped: {type(cause).__name__}"))
+
+
+def _default_core_factory(config: EngineConfig):
+    from engine.core import EngineCore
+
+    return EngineCore(config)
+
+
+def _private_copy(tokenizer):
+    """A copy of the tokenizer for the event-loop thread: fast tokenizers must not be shared
+    across threads (concurrent calls can fail with 'Already borrowed')."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # not copyable: share it; the server only encodes and decodes
+        return tokenizer

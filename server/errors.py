@@ -1,0 +1,109 @@
+"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pagewise.server")
+
+# OpenAI's own `type` values; clients (the openai package) pick the exception class by status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error a client caused (or may retry): carries the HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def format_loc(loc) -> str:
+    """pydantic's ('messages', 2, 'role') -> 'messages[2].role' (OpenAI's `param` style)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, str) and not part.isidentifier() or part in UNION_TAGS:
+            continue  # a union member's tag such as 'list[ContentPart]' or 'str', not a field
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in ("body",):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The most telling pydantic error, rewritten to name the field and say what to change."""
+    # A union (e.g. content: str | list[parts]) reports one error per member; our own
+    # ValueErrors say more than "Input should be a valid string", so they win.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    if err.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                           code="invalid_json")
+    param = format_loc(err.get("loc", ())) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "extra_forbidden":
+        return bad_request(f"{param} is not a supported field", param=param, code="unsupported_field")
+    if err.get("type") == "missing":
+        return bad_request(f"{param} is required", param=param, code="missing_field")
+    msg = msg.removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # The traceback goes to the server log (uvicorn logs it again); clients get no internals.
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error", code="internal_error")

@@ -1,0 +1,330 @@
+"""OpenAI request and response types (pydantic), and the request -> SamplingParams mapping.
+
+Requests are strict: a wrong type is an error, not a coercion ("5" is not 5), and any field
+we do not implement is a 400 that names it, never silently dropped. Fields that exist in
+OpenAI's API but that we do not support yet are accepted only at their no-op value
+(`tools: []`, `response_format: {"type": "text"}`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+def _unsupported(what: str, value: Any, noop: tuple = (None,)) -> Any:
+    """Accept the field only at a value that changes nothing; otherwise say it is unsupported."""
+    if value in noop:
+        return value
+    raise ValueError(f"{what} is not supported yet")
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions, plus the engine's extras."""
+
+    model: str | None = None  # optional: this server serves one model
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None  # an end-user id for abuse tracking; recorded nowhere, changes nothing
+    logit_bias: dict[str, float] | None = None
+    # Engine extras (vLLM names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        return _unsupported("logit bias", v, noop=(None, {}))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams is the one place values are checked)."""
+        kw = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:  # None means "the API default"
+                kw[name] = getattr(self, name)
+        return SamplingParams(**kw)
+
+
+# --------------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
+    max_tokens: int | None = 16  # OpenAI's default; null means "up to the context window"
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _unsupported("insertion (suffix)", v, noop=(None, ""))
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def is_ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or is_ids(v):
+            return v
+        if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("values other than n are not supported yet")
+        return v
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        # echo + logprobs reports the prompt's logprobs too, as OpenAI does
+        prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+# --------------------------------------------------------------------------- chat
+CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer: OpenAI's newer name for system
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # the type check below gives the message
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported yet: only 'text' parts")
+        if self.text is None or self.model_extra:
+            raise ValueError("a text content part is {\"type\": \"text\", \"text\": \"...\"}")
+        return self
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role):
+        if role in ("tool", "function"):
+            raise ValueError(f"role {role!r} is not supported yet (no tool calling)")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r}: use one of system, user, assistant")
+        return role
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def to_template(self) -> dict:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the context window
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Not supported yet: accepted only at their no-op values.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        return _unsupported("tool calling", v, noop=(None, []))
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        return _unsupported("tool calling", v, noop=(None, "none"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v):
+        if v is None or v == {"type": "text"}:
+            return v
+        raise ValueError(f"type {v.get('type')!r} is not supported yet: only 'text'")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return v
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, None)
+
+
+# --------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM extra)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI deltas omit absent keys
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagewise"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

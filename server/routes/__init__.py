@@ -1,0 +1,1 @@
+"""HTTP routes: info (models, health, version, metrics), completions, chat."""

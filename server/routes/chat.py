@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions: messages -> chat template -> one engine request with n choices."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from engine.outputs import RequestOutput
+from server.logprobs import chat_logprobs
+from server.prompts import chat_prompt, resolve_max_tokens
+from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                             ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo)
+from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
+from server.sse import DONE, event, sse_response
+from server.state import ServerState, get_state
+from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request):
+    state = get_state(request)
+    body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+    state.check_model(body.model)
+    prompt = chat_prompt([m.to_template() for m in body.messages], state.tokenizer)
+    max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
+                                    field=body.max_tokens_field, prompt_field="messages")
+    with sampling_errors(renames={"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs"}):
+        params = body.to_sampling_params(max_tokens)
+
+    request_id = new_id("chatcmpl")
+    stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text))
+    render = _Renderer(state, body, request_id)
+    try:
+        with engine_errors():
+            (stream,) = await unless_disconnected(request, primed_all([stream]))
+            if body.stream:
+                return sse_response(render.events(stream))
+            (final,) = await unless_disconnected(request, last_outputs([stream]))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    return Response(render.response(final).model_dump_json(), media_type="application/json")
+
+
+class _Renderer:
+    """Engine outputs (cumulative) -> chat.completion responses and chat.completion.chunk deltas."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str):
+        self.state, self.body, self.id = state, body, request_id
+        self.created = int(time.time())
+        self.model = state.served_model_name
+
+    def _logprobs(self, ids: list[int], positions) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return ChatLogprobs(content=chat_logprobs(ids, positions or [{}] * len(ids), self.state.token_texts,
+                                                  self.body.top_logprobs or 0))
+
+    @staticmethod
+    def _usage(output: RequestOutput) -> UsageInfo:
+        prompt = len(output.prompt_token_ids)
+        completion = sum(len(c.token_ids) for c in output.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def response(self, output: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c.token_ids, c.logprobs),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in output.outputs]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self._usage(output))
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                         usage=usage))
+
+    async def events(self, stream):
+        sent_text: dict[int, int] = {}  # choice index -> characters sent; -1 once finished
+        sent_tokens: dict[int, int] = {}
+        final = None
+        try:
+            async for output in stream:
+                for c in output.outputs:
+                    if c.index not in sent_text:  # the first chunk of each choice carries the role
+                        sent_text[c.index] = sent_tokens[c.index] = 0
+                        yield self._chunk([ChatStreamChoice(index=c.index,
+                                                            delta=DeltaMessage(role="assistant", content=""))])
+                    n_chars, n_tokens = sent_text[c.index], sent_tokens[c.index]
+                    if n_chars < 0:
+                        continue
+                    new_text, new_ids = c.text[n_chars:], c.token_ids[n_tokens:]
+                    if new_text or (new_ids and self.body.logprobs):
+                        positions = c.logprobs[n_tokens:len(c.token_ids)] if c.logprobs else None
+                        yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=new_text),
+                                                            logprobs=self._logprobs(new_ids, positions))])
+                        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
+                        sent_text[c.index] = -1
+                        yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                            finish_reason=c.finish_reason,
+                                                            stop_reason=c.stop_reason)])
+                if output.finished:
+                    final = output
+            if self.body.include_usage and final is not None:
+                yield self._chunk([], usage=self._usage(final))
+        except Exception as e:  # the engine died mid-stream: tell the client inside the stream
+            yield event(error_event_body(e))
+        finally:
+            await stream.aclose()
+        yield DONE

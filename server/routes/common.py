@@ -1,0 +1,68 @@
+"""Shared by the generation routes: body parsing, engine-error mapping, ids."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import uuid
+
+from pydantic import BaseModel, ValidationError
+
+from engine.async_engine import EngineDeadError, EngineOverloadedError
+from server.errors import APIError, bad_request, validation_error
+
+RETRY_AFTER_S = "1"
+_FIELD = re.compile(r"^([a-z_]+)\b")
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    if not raw.strip():
+        raise bad_request("request body is empty: send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def sampling_errors(renames: dict[str, str] | None = None):
+    """SamplingParams' ValueError names the field; report it under the request's own field name."""
+    try:
+        yield
+    except ValueError as e:
+        message = str(e)
+        m = _FIELD.match(message)
+        param = m.group(1) if m else None
+        if param and renames and param in renames:
+            message = renames[param] + message[len(param):]
+            param = renames[param]
+        raise bad_request(message, param=param) from None
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """AsyncEngine's failures as HTTP errors: overload 503 (+Retry-After), a rejected prompt 400,
+    a dead engine 500 without internals."""
+    try:
+        yield
+    except EngineOverloadedError as e:
+        raise APIError(503, f"server is overloaded, retry later: {e}", code="overloaded",
+                       headers={"Retry-After": RETRY_AFTER_S}) from None
+    except EngineDeadError:
+        raise APIError(500, "internal server error: the engine stopped", code="engine_dead") from None
+    except ValueError as e:  # EngineCore.add_request rejected the prompt
+        m = _FIELD.match(str(e))
+        raise bad_request(str(e), param="prompt" if m and m.group(1).startswith("prompt") else None) from None
+
+
+def error_event_body(error: BaseException) -> dict:
+    """The payload of an SSE error event, for a failure after the stream has started."""
+    if isinstance(error, EngineDeadError):
+        message = "internal server error: the engine stopped"
+    else:
+        message = "internal server error"
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}

@@ -1,0 +1,50 @@
+"""GET /v1/models, /health, /version, /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import engine
+from server.errors import error_response
+from server.protocol import ModelCard, ModelList
+from server.state import get_state
+
+router = APIRouter()
+
+
+def _card(request: Request) -> ModelCard:
+    state = get_state(request)
+    return ModelCard(id=state.served_model_name, created=state.created, root=state.engine.model_name,
+                     max_model_len=state.max_model_len)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return ModelList(data=[_card(request)])
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request):
+    get_state(request).check_model(model)
+    return _card(request)
+
+
+@router.get("/health")
+async def health(request: Request):
+    try:
+        get_state(request).engine.check_health()
+    except Exception:  # the cause is in the server log; a probe only needs the verdict
+        return error_response(503, "engine is not healthy", code="unhealthy")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/version")
+async def version():
+    return {"version": engine.__version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
