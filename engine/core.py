@@ -243,6 +243,7 @@ class EngineCore:
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_chunked_prefills": self.scheduler.num_chunked_prefills,
+            "num_scheduled_tokens": self.scheduler.num_scheduled_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }

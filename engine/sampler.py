@@ -72,7 +72,11 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone() if want_logprobs else logits
+        edits = any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
+                    or r.sampling_params.repetition_penalty != 1.0
+                    or len(r.output_token_ids) < r.sampling_params.min_tokens for r in reqs)
+        if edits:
+            logits = logits.clone()  # penalties and masks edit rows in place; the caller's tensor stays intact
         tokens = [0] * len(reqs)
         greedy_rows = []
         for row, req in enumerate(reqs):

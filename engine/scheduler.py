@@ -35,6 +35,7 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first: the last one is preempted first
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill steps that did not reach the end of the prompt
+        self.num_scheduled_tokens = 0  # tokens run through the model, prefill and decode
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -85,6 +86,7 @@ class Scheduler:
         return out
 
     def _count_chunks(self, out: SchedulerOutput) -> None:
+        self.num_scheduled_tokens += out.num_tokens
         self.num_chunked_prefills += sum(1 for r, n in out.scheduled if r.num_computed_tokens + n < r.num_tokens)
 
     def _preempt(self, req: Request) -> None:

@@ -1,0 +1,89 @@
+"""Bad input: a clear ValueError naming what to change, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from tests.engine.hf_oracle import hf_greedy
+
+BAD_SAMPLING = [
+    ("n", 0), ("n", 1000), ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1),
+    ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 21), ("prompt_logprobs", -1),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_SAMPLING)
+def test_invalid_sampling_field_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
+    engine = tiny_llm.engine
+    good = {"a": [5, 6, 7, 8], "b": list(range(20, 60))}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for rid, ids in good.items():
+        engine.add_request(rid, ids, params)
+    engine.step()  # both are now running
+    bad = [
+        ([], "empty"),
+        ([5] * engine.max_model_len, "max_model_len"),
+        ([engine.vocab_size + 5], "token ids"),
+    ]
+    for ids, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", ids, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [1, 2], params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_llm.generate([[5, 6], [5] * engine.max_model_len], params, use_tqdm=False)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    path = tiny_models("llama")
+    assert done == {rid: hf_greedy(path, ids, 8) for rid, ids in good.items()}
+    assert engine.stats()["num_used_blocks"] == 0
+    # And it still serves new work.
+    assert tiny_llm.generate([[9, 9, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, [9, 9, 9], 8)
+
+
+def test_missing_model_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        EngineConfig(model="/no/such/model")
+
+
+def test_unknown_model_type_names_supported(tiny_models, tmp_path):
+    folder = tmp_path / "weird"
+    shutil.copytree(tiny_models("llama"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"gpt_neox.*llama.*qwen3"):
+        LLM(str(folder))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(dtype="float64"), "dtype"), (dict(block_size=7), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(attention_backend="cudnn"), "attention_backend"),
+])
+def test_invalid_engine_config(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_max_model_len_beyond_kv_cache_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_models("llama"), num_kv_blocks=4, max_model_len=256)
