@@ -1,7 +1,8 @@
 """Published model configurations, written as the Hugging Face config.json keys they ship with.
 
 Values are copied from each model's config.json on the Hugging Face Hub (GPT-3 175B from Brown et
-al. 2020, Table 2.1: the GPT-2 architecture at 96 layers, d_model 12288, 96 heads, context 2048).
+al. 2020, Table 2.1: the GPT-2 architecture at 96 layers, d_model 12288, 96 heads, context 2048,
+dropout 0.1; trained as Korthikanti et al. 2022 assume, with a fused GELU kernel).
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ def _llama(layers, hidden, heads, kv_heads, ffn, vocab, max_pos, model_type="lla
     }
 
 
-def _gpt(layers, hidden, heads, vocab, positions):
+def _gpt(layers, hidden, heads, vocab, positions, activation):
     return {
         "model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "n_inner": None,
         "vocab_size": vocab, "n_positions": positions, "tie_word_embeddings": True, "torch_dtype": "float16",
+        "activation_function": activation, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
     }
 
 
 PRESETS: dict[str, dict] = {
-    "gpt2": _gpt(12, 768, 12, 50257, 1024),
+    "gpt2": _gpt(12, 768, 12, 50257, 1024, "gelu_new"),
     "llama-2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, dtype="float16"),
     "llama-2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 4096, dtype="float16"),
     "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096, dtype="float16"),
@@ -32,5 +34,5 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": _llama(24, 896, 14, 2, 4864, 151936, 32768, model_type="qwen2", tie=True),
     "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, 32768, model_type="qwen2"),
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 32768, model_type="mistral"),
-    "gpt3-175b": _gpt(96, 12288, 96, 50257, 2048),
+    "gpt3-175b": _gpt(96, 12288, 96, 50257, 2048, "gelu_pytorch_tanh"),  # fused GELU, as Megatron-LM
 }

@@ -47,6 +47,9 @@ class ModelSpec:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
     fused_qkv: bool = False  # GPT-2 Conv1D `c_attn`: one tensor for q, k, v (changes the tensor count only)
+    activation: str = "silu"  # Hugging Face name; sets what the MLP keeps for backward (see activations.py)
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # on the embeddings and after attention and MLP (GPT-2 `resid_pdrop`)
     dtype: str = "bfloat16"
     params_override: int | None = None  # a published total that replaces the computed one
 
@@ -80,6 +83,8 @@ class ModelSpec:
                 vocab_size=cfg["vocab_size"], max_position_embeddings=cfg.get("n_positions", 1024),
                 mlp="gelu", norm="layernorm", tie_word_embeddings=cfg.get("tie_word_embeddings", True),
                 learned_positions=True, qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True, dtype=dtype,
+                activation=cfg.get("activation_function", "gelu_new"),  # GPT2Config defaults
+                attention_dropout=cfg.get("attn_pdrop", 0.1), hidden_dropout=cfg.get("resid_pdrop", 0.1),
             )
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -92,7 +97,8 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 hard-codes bias on q, k, v only
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3", dtype=dtype,
+            qk_norm=model_type == "qwen3", dtype=dtype, activation=cfg.get("hidden_act", "silu"),
+            attention_dropout=cfg.get("attention_dropout", 0.0),
         )
 
     @classmethod
@@ -153,12 +159,10 @@ class ModelSpec:
 
     def num_param_tensors(self) -> int:
         """Tensors in `model.parameters()`: embeddings and head once, layer tensors once per layer."""
-        tensors = self.param_tensors()
-        per_layer = sum(1 for p in tensors if p.place == "layer")
-        return len(tensors) - per_layer + per_layer * self.num_layers
+        return self._busiest_stage(tp=1, pp=1)[1]
 
     def computed_params(self) -> int:
-        return self._stage_params(tp=1, layers=self.num_layers, first=True, last=True, tied_copy=False)
+        return self._busiest_stage(tp=1, pp=1)[0]
 
     @property
     def params(self) -> int:
@@ -172,24 +176,26 @@ class ModelSpec:
         stage keeps its own copy of the embedding matrix as the head (Megatron-LM, Shoeybi et al. 2019).
         A `params_override` scales the result by override / computed total.
         """
-        base, extra = divmod(self.num_layers, pp)
-        stage_sizes = [
-            self._stage_params(tp, base + (s < extra), first=s == 0, last=s == pp - 1, tied_copy=pp > 1)
-            for s in range(pp)
-        ]
-        busiest = max(stage_sizes)
+        busiest = self._busiest_stage(tp, pp)[0]
         if self.params_override is None:
             return busiest
         return round(busiest * self.params_override / self.computed_params())
 
-    def _stage_params(self, tp: int, layers: int, first: bool, last: bool, tied_copy: bool) -> int:
-        total = 0
-        for p in self.param_tensors():
-            count = {"embed": int(first), "layer": layers, "head": int(last)}[p.place]
-            total += count * self._shard(p, tp)
-        if last and self.tie_word_embeddings and tied_copy:
-            total += self._shard(ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), tp)
-        return total
+    def param_tensors_per_gpu(self, tp: int = 1, pp: int = 1) -> int:
+        """Parameter tensors on that busiest GPU (an optimizer keeps per-tensor counters)."""
+        return self._busiest_stage(tp, pp)[1]
+
+    def _busiest_stage(self, tp: int, pp: int) -> tuple[int, int]:
+        """(elements, tensors) of the pipeline stage with the most parameter elements, per TP rank."""
+        base, extra = divmod(self.num_layers, pp)
+        stages = []
+        for stage in range(pp):
+            count = {"embed": int(stage == 0), "layer": base + (stage < extra), "head": int(stage == pp - 1)}
+            tensors = [(p, count[p.place]) for p in self.param_tensors()]
+            if stage == pp - 1 and pp > 1 and self.tie_word_embeddings:
+                tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), 1))
+            stages.append((sum(n * self._shard(p, tp) for p, n in tensors), sum(n for _, n in tensors)))
+        return max(stages)
 
     def _shard(self, p: ParamTensor, tp: int) -> int:
         """Elements of `p` on one TP rank; a rank holding a part of the vocabulary holds ceil(V / tp) rows."""

@@ -1,0 +1,200 @@
+"""Activation memory: the tensors a training forward pass keeps for backward, counted op by op.
+
+One count serves two masters. For the architecture Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models") assume - GPT with a 4h MLP, fused LayerNorm and GELU,
+dropout, 16-bit activations, attention that materializes the softmax - it reproduces their Table 2:
+sbh(34 + 5as/h) bytes per layer, and the TP / SP / selective / full-recomputation variants. For other
+architectures (SwiGLU, RMSNorm as Hugging Face writes it, GQA, FlashAttention) the same per-op rules
+give the count, checked against PyTorch's saved tensors in tests/planning/test_measured.py.
+
+What autograd keeps, op by op (the rules every entry below follows):
+  linear layer: its input          GELU / SiLU (fused kernels): their input
+  product of two activations: both  softmax: its output          dropout (CUDA): a 1-byte mask
+  fused LayerNorm: input + fp32 mean and rstd per token
+  HF RMSNorm: input in fp32, fp32 rstd per token, and the normalized value the weight multiplies
+  residual add, reshape, rotary multiply by cos/sin tables: nothing per token
+
+Known gap: Hugging Face's eager Llama attention runs softmax in fp32 and, in 16-bit training, also
+keeps the 16-bit copy (4as bytes per token per layer beyond this count). Eager here means Megatron's
+kernel, which keeps the probabilities once in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.planning.spec import ModelSpec
+
+ATTENTION_KERNELS = ("eager", "flash")
+RECOMPUTE = ("none", "selective", "full")
+# Activations Hugging Face writes as Python arithmetic rather than one kernel, with the number of
+# ffn-sized tensors they keep: NewGELU keeps fc output, tanh output, 0.5x, 1 + tanh and its output.
+UNFUSED_ACTIVATION_TENSORS = {"gelu_new": 5}
+INT64, FP32, MASK = 8, 4, 1
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer keeps, in bytes per token on one TP rank."""
+
+    name: str
+    bytes_per_token: float
+    # Outside Megatron's tensor-parallel region (norms, their outputs, residual dropout): every TP
+    # rank holds all of it unless sequence parallelism splits it along the sequence (Korthikanti §4.2.2).
+    outside_tp: bool = False
+    # Part of QK^T -> softmax -> dropout -> AV, which selective recomputation recomputes (§4.3).
+    core_attention: bool = False
+
+
+def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
+    h = spec.hidden_size
+    if spec.norm == "layernorm":
+        return [Saved(f"{name}.input", act_bytes * h, True), Saved(f"{name}.mean_rstd", 2 * FP32, True)]
+    return [
+        Saved(f"{name}.input_fp32", FP32 * h, True),
+        Saved(f"{name}.rstd", FP32, True),
+        Saved(f"{name}.normalized", act_bytes * h, True),
+    ]
+
+
+def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention: str = "flash", tp: int = 1) -> list[Saved]:
+    """Everything one layer keeps for backward without recomputation, per token on one TP rank."""
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+    h, d, b = spec.hidden_size, spec.head_dim, act_bytes
+    heads, kv_heads, ffn = spec.num_heads // tp, max(1, spec.num_kv_heads // tp), spec.ffn_hidden_size // tp
+    saved: list[Saved] = []
+    for block in ("attention", "mlp"):
+        saved += _norm(spec, b, f"{block}_norm")
+        saved.append(Saved(f"{block}_norm.output", b * h, True))  # input of the QKV / first MLP linear
+        if spec.hidden_dropout:
+            saved.append(Saved(f"{block}_residual_dropout.mask", MASK * h, True))
+    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on each query and key head
+        for name, n in (("q_norm", heads), ("k_norm", kv_heads)):
+            saved.append(Saved(name, (FP32 + b) * n * d + FP32 * n))
+    if attention == "eager":
+        # matmul(Q, K^T) keeps Q and K; matmul(P, V) keeps P and V. K and V are first repeated to all
+        # query heads (HF repeat_kv, Megatron's expand), so with GQA they are stored at `heads` size.
+        saved += [Saved("q", b * heads * d), Saved("k_repeated", b * heads * d), Saved("v_repeated", b * heads * d)]
+        saved.append(Saved("softmax.output", b * heads * seq_len, core_attention=True))
+        if spec.attention_dropout:
+            saved.append(Saved("attention_dropout.mask", MASK * heads * seq_len, core_attention=True))
+            saved.append(Saved("attention_dropout.output", b * heads * seq_len, core_attention=True))
+        saved.append(Saved("attention.output", b * heads * d))  # a contiguous copy, input of o_proj
+    else:
+        # FlashAttention (Dao et al. 2022) keeps q, k, v, its output (also o_proj's input) and the
+        # fp32 softmax log-sum-exp per head; the s x s scores are recomputed in backward.
+        saved += [Saved("q", b * heads * d), Saved("k", b * kv_heads * d), Saved("v", b * kv_heads * d)]
+        saved += [Saved("attention.output", b * heads * d), Saved("softmax.logsumexp", FP32 * heads)]
+    if spec.mlp == "swiglu":
+        # gate output (SiLU input), SiLU output and up output (the two factors), their product (down input)
+        saved.append(Saved("mlp.swiglu", 4 * b * ffn))
+    else:
+        # fc output (GELU input) and GELU output (second linear's input); unfused GELU keeps more
+        saved.append(Saved("mlp.gelu", UNFUSED_ACTIVATION_TENSORS.get(spec.activation, 2) * b * ffn))
+    return saved
+
+
+def layer_activation_bytes(
+    spec: ModelSpec,
+    seq_len: int,
+    micro_batch: int,
+    act_bytes: int,
+    *,
+    attention: str = "flash",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> int:
+    """Bytes one layer keeps for one micro-batch on one GPU (Korthikanti et al. 2022, Table 2)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    tokens = seq_len * micro_batch
+    sp = tp if sequence_parallel else 1
+    if recompute == "full":
+        # §4.1: only the layer's input is checkpointed (2sbh in fp16), split along the sequence with SP
+        return math.ceil(tokens * act_bytes * spec.hidden_size / sp)
+    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp) if not (recompute == "selective" and t.core_attention)]
+    return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept))
+
+
+def first_stage_saved_tensors(spec: ModelSpec) -> list[Saved]:
+    """Kept by the embedding: the token ids (int64), and the embedding dropout mask."""
+    saved = [Saved("token_ids", INT64)]
+    if spec.hidden_dropout:
+        saved.append(Saved("embedding_dropout.mask", MASK * spec.hidden_size, True))
+    return saved
+
+
+def last_stage_saved_tensors(spec: ModelSpec, act_bytes: int, tp: int = 1) -> list[Saved]:
+    """Kept by the final norm, the LM head (its input) and the loss: Hugging Face's loss upcasts
+    logits to fp32 and log_softmax keeps its fp32 output, over the rank's share of the vocabulary."""
+    return _norm(spec, act_bytes, "final_norm") + [
+        Saved("final_norm.output", act_bytes * spec.hidden_size, True),
+        Saved("log_probs", FP32 * -(-spec.vocab_size // tp)),
+        Saved("labels", INT64),
+    ]
+
+
+def per_micro_batch_bytes(spec: ModelSpec, seq_len: int, act_bytes: int, recompute: str) -> int:
+    """Tensors shared by the whole micro-batch and every layer: learned-position ids (int64, one row),
+    or the rotary cos and sin tables that the layers keep unless they are fully recomputed."""
+    if spec.learned_positions:
+        return INT64 * seq_len
+    return 0 if recompute == "full" else 2 * seq_len * spec.head_dim * act_bytes
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    per_layer: int  # one layer, one micro-batch: the quantity of Korthikanti et al. Table 2
+    stored: int  # kept for backward on the busiest pipeline stage at the peak of its schedule
+    recompute_buffer: int  # rebuilt during backward: one layer (full) or its core attention (selective)
+
+    @property
+    def total(self) -> int:
+        return self.stored + self.recompute_buffer
+
+
+def activation_memory(
+    spec: ModelSpec,
+    seq_len: int,
+    micro_batch: int,
+    act_bytes: int,
+    *,
+    attention: str = "flash",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    pp: int = 1,
+    num_micro_batches: int = 1,
+) -> ActivationMemory:
+    """Activation bytes on the busiest GPU of a TP x PP layout under the 1F1B pipeline schedule.
+
+    Stage i (of pp) holds min(pp - i, m) micro-batches in flight (Narayanan et al. 2021, §2.2), so the
+    first stage keeps pp micro-batches of its L/pp layers: L layers' worth, as Korthikanti §4.2.3 notes.
+    The first stage adds the embedding's tensors, the last the head's and the loss's.
+    """
+    layer_kw = dict(attention=attention, tp=tp, sequence_parallel=sequence_parallel)
+    per_layer = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute=recompute, **layer_kw)
+    tokens, sp = seq_len * micro_batch, tp if sequence_parallel else 1
+
+    def tokens_bytes(saved: list[Saved]) -> int:
+        return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in saved))
+
+    first, last = tokens_bytes(first_stage_saved_tensors(spec)), tokens_bytes(last_stage_saved_tensors(spec, act_bytes, tp))
+    shared = per_micro_batch_bytes(spec, seq_len, act_bytes, recompute)
+    base, extra = divmod(spec.num_layers, pp)
+    stored = max(
+        min(pp - stage, num_micro_batches)
+        * ((base + (stage < extra)) * per_layer + shared + first * (stage == 0) + last * (stage == pp - 1))
+        for stage in range(pp)
+    )
+    if recompute == "full":
+        buffer = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute="none", **layer_kw)
+    elif recompute == "selective":
+        core = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp) if t.core_attention]
+        buffer = math.ceil(tokens * sum(t.bytes_per_token for t in core))
+    else:
+        buffer = 0
+    return ActivationMemory(per_layer=per_layer, stored=stored, recompute_buffer=buffer)
