@@ -45,6 +45,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, help="write a PNG chart here (matplotlib)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     g.add_argument("--percentiles", type=str, default="50,90,99", help="latency percentiles (default %(default)s)")
+    g.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="CPU only: the same KV cache budget for engine and vLLM (default %(default)s GiB, "
+                        "the engine's own default); on CUDA each sizes its cache from free GPU memory")
 
 
 def _dataset(p: argparse.ArgumentParser, num_prompts: int, input_len: int, output_len: int) -> None:
@@ -73,7 +76,6 @@ def _offline(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-batch-size", type=int, default=64, help="transformers generate batch size")
     g.add_argument("--vllm-python", default=None,
                    help="interpreter with vLLM installed (e.g. /work/venv-vllm/bin/python); the vllm backend runs there")
-    g.add_argument("--vllm-kv-cache-gib", type=float, default=None, help="vLLM-CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vllm.LLM keyword (repeatable)")
     g.add_argument("--requests-file", default=None, help=argparse.SUPPRESS)  # set by the --compare parent

@@ -51,13 +51,18 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(headers), sep, *(line(r) for r in body)])
 
 
+def _first_line(text: str | None, width: int = 60) -> str:
+    lines = (text or "unknown error").strip().splitlines() or ["unknown error"]
+    return lines[0][:width]
+
+
 def throughput_table(results: list[dict], baseline: str = "engine") -> str:
     base = next((r for r in results if r.get("backend") == baseline and "metrics" in r), None)
     rows = []
     for r in results:
         m = r.get("metrics")
         if m is None:
-            rows.append([r["backend"], None, None, None, None, None, None, "n/a", r.get("error", "failed").splitlines()[0]])
+            rows.append([r["backend"], None, None, None, None, None, None, "n/a", "failed: " + _first_line(r.get("error"))])
             continue
         ratio = m["output_tokens_per_s"] / base["metrics"]["output_tokens_per_s"] if base else None
         rows.append([
@@ -77,7 +82,7 @@ def latency_table(results: list[dict], percentiles: list[float]) -> str:
     rows = []
     for r in results:
         if "e2e" not in r:
-            rows.append([r["backend"], "failed: " + r.get("error", "").splitlines()[0]] + [None] * (len(percentiles) + 3))
+            rows.append([r["backend"], "failed: " + _first_line(r.get("error"))] + [None] * (len(percentiles) + 3))
             continue
         e, t, p = r["e2e"], r["ttft"], r["tpot"]
         rows.append([r["backend"], e["mean_ms"], *(e[f"p{q:g}_ms"] for q in percentiles),

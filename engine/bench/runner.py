@@ -152,16 +152,19 @@ def launch_cmd(args) -> tuple[list[str], dict]:
     from engine.bench.backends.vllm import cpu_env
     from engine.bench.launch import engine_server_cmd, vllm_server_cmd
 
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    kv_bytes = str(int(args.kv_cache_gib * (1 << 30)))
     common = ["--dtype", args.dtype, "--seed", str(args.seed)]
     if args.served_model_name:
         common += ["--served-model-name", args.served_model_name]
     if args.launch == "engine":
-        return engine_server_cmd(args.model, common + ["--num-threads", str(args.num_threads)] + args.server_arg), {}
-    import torch
-
-    env = {} if torch.cuda.is_available() else cpu_env(args.num_threads)
-    env = {k: os.environ.get(k, v) for k, v in env.items()}
-    return vllm_server_cmd(args.model, common + args.server_arg, python=args.vllm_python), env
+        ours = ["--num-threads", str(args.num_threads), "--kv-cache-memory", kv_bytes]
+        return engine_server_cmd(args.model, common + ours + args.server_arg), {}
+    env = {k: os.environ.get(k, v) for k, v in cpu_env(args.num_threads).items()} if cpu else {}
+    theirs = ["--kv-cache-memory-bytes", kv_bytes] if cpu else []
+    return vllm_server_cmd(args.model, common + theirs + args.server_arg, python=args.vllm_python), env
 
 
 def run_serve(args) -> int:

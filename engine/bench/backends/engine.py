@@ -20,6 +20,7 @@ class EngineBackend:
         for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "device"):
             if getattr(a, knob, None) is not None:
                 kwargs[knob] = getattr(a, knob)
+        kwargs["kv_cache_memory"] = int(a.kv_cache_gib * (1 << 30))  # used on CPU only
         kwargs.update(a.engine_kwargs or {})
         self.llm = LLM(**kwargs)
 

@@ -57,16 +57,16 @@ class VLLMBackend:
     def load(self) -> None:
         import torch
 
-        if not torch.cuda.is_available():
-            for k, v in cpu_env(self.args.num_threads).items():
-                os.environ.setdefault(k, v)
-                self.env[k] = os.environ[k]
-            if self.args.vllm_kv_cache_gib:
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.args.vllm_kv_cache_gib)
-                self.env["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
-        vllm = import_vllm()
         a = self.args
         kwargs = dict(model=a.model, dtype=a.dtype, seed=a.seed)
+        if not torch.cuda.is_available():
+            for k, v in cpu_env(a.num_threads).items():
+                os.environ.setdefault(k, v)
+                self.env[k] = os.environ[k]
+            # An explicit KV budget, the same as the engine's; without it vLLM-CPU reserves a
+            # fraction (0.92) of the node's memory and refuses to start on a shared machine.
+            kwargs["kv_cache_memory_bytes"] = int(a.kv_cache_gib * (1 << 30))
+        vllm = import_vllm()
         for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(a, knob, None) is not None:
                 kwargs[knob] = getattr(a, knob)
