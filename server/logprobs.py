@@ -78,12 +78,19 @@ def completion_logprobs(token_ids: list[int], positions: list[dict[int, float] |
         token = texts.text(token_id)
         out.tokens.append(token)
         out.token_logprobs.append(_chosen(position, token_id))
-        out.top_logprobs.append(
-            None if position is None
-            else {texts.text(t): _logprob_or_floor(lp) for t, lp in sorted(position.items(), key=lambda kv: -kv[1])})
+        out.top_logprobs.append(None if position is None else _by_text(position, texts))
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out
+
+
+def _by_text(position: dict[int, float], texts: TokenTexts) -> dict[str, float]:
+    """OpenAI keys completion top_logprobs by token text; when two ids share a text (e.g. partial
+    UTF-8 bytes, all shown as U+FFFD) the likelier one keeps the key."""
+    top: dict[str, float] = {}
+    for token_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
+        top.setdefault(texts.text(token_id), _logprob_or_floor(lp))
+    return top
 
 
 def chat_logprobs(token_ids: list[int], positions: list[dict[int, float]], texts: TokenTexts,

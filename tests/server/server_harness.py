@@ -1,0 +1,75 @@
+"""Start a real `python -m server.cli serve` subprocess and read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+API_KEY = "test-key-123"
+MAX_BODY_BYTES = 65536
+# Small, fixed KV pool: fast to allocate, and leaves no doubt about what "no blocks in use" means.
+TINY_SERVER_ARGS = ["--num-kv-blocks", "2048", "--max-body-bytes", str(MAX_BODY_BYTES), "--num-threads", "1"]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.url = self._wait_listening(startup_timeout)
+        self.base_url = self.url + "/v1"
+
+    def _wait_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"pagewise listening on (http://[\d.]+:\d+)", self.log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"server did not start in {timeout}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+    """The value of one sample in Prometheus text format (labels matched as given)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    return None
+
+
+def get_metrics(server) -> str:
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    r.raise_for_status()
+    return r.text

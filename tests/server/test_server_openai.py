@@ -1,0 +1,172 @@
+"""The official `openai` client against a real server: completions, chat, streaming, n, logprobs,
+usage, stop sequences, echo, and the info endpoints."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from tests.server.server_harness import get_metrics, metric
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert len(models.data) == 1 and models.data[0].object == "model"
+    name = models.data[0].id
+    assert client.models.retrieve(name).id == name
+    assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+    v = httpx.get(server.url + "/version", headers={"Authorization": "Bearer test-key-123"})
+    assert v.status_code == 200 and v.json()["version"]
+
+
+def test_completion_basic_usage_and_greedy_determinism(client):
+    model = client.models.list().data[0].id
+    a = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    b = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert a.id.startswith("cmpl-") and a.object == "text_completion" and a.model == model and a.created > 0
+    assert a.choices[0].text == b.choices[0].text  # greedy is deterministic
+    assert a.choices[0].finish_reason in ("length", "stop")
+    assert a.usage.prompt_tokens > 0 and 0 < a.usage.completion_tokens <= 12
+    assert a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
+
+
+def test_completion_prompt_forms(client):
+    model = client.models.list().data[0].id
+    single = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
+    many = client.completions.create(model=model, prompt=[PROMPT, "Hello world"], max_tokens=5, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == single.choices[0].text
+    ids = client.completions.create(model=model, prompt=[5, 17, 42, 99], max_tokens=5, temperature=0)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens >= 1
+    two_id_lists = client.completions.create(model=model, prompt=[[5, 17], [42, 99, 7]], max_tokens=3,
+                                             temperature=0)
+    assert len(two_id_lists.choices) == 2 and two_id_lists.usage.prompt_tokens == 5
+
+
+def test_completion_n2_and_seed(client):
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 16  # both choices counted
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded sampling repeats
+
+
+def test_completion_logprobs_and_echo(client):
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    # token strings render partial UTF-8 bytes as U+FFFD; the final text drops an unfinished tail
+    assert "".join(lp.tokens).replace("\ufffd", "") == r.choices[0].text.replace("\ufffd", "")
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 4  # ids sharing a text (partial bytes) share a key
+        assert math.isclose(chosen, max(top.values()), abs_tol=1e-5)  # greedy picks the best
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    assert echo.choices[0].text.startswith(PROMPT)
+    elp = echo.choices[0].logprobs
+    assert elp.token_logprobs[0] is None  # the first prompt token has no context to score it
+    assert len(elp.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
+
+
+def test_completion_stop_sequence(client):
+    model = client.models.list().data[0].id
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text
+    stop = full[3:5]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop])
+    cut = full[:full.index(stop)]
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+
+
+def test_completion_streaming_with_usage(client):
+    model = client.models.list().data[0].id
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.id == chunks[0].id for c in chunks)
+
+
+def test_chat_basic_and_parts(client):
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    parts = [{"role": "system", "content": "Answer briefly."},
+             {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    r2 = client.chat.completions.create(model=model, messages=parts, max_completion_tokens=8, temperature=0)
+    assert r2.choices[0].message.content == msg.content  # a single text part equals a string
+
+
+def test_chat_n2_logprobs(client):
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0, n=2,
+                                       logprobs=True, top_logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: both the same
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens // 2
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert math.isclose(item.logprob, item.top_logprobs[0].logprob, abs_tol=1e-5)
+    joined = b"".join(bytes(item.bytes) for item in content).decode("utf-8", errors="replace")
+    assert joined.startswith(r.choices[0].message.content.rstrip("\ufffd"))
+
+
+def test_chat_streaming_role_finish_and_usage(client):
+    model = client.models.list().data[0].id
+    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_streaming_n2_stop(client):
+    model = client.models.list().data[0].id
+    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[4:6]
+    if not stop.strip() or stop not in text:
+        pytest.skip(f"no usable stop string in {text!r}")
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0, n=2,
+                                                 stop=stop, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(ch.delta.content or "" for ch in mine) == text[:text.index(stop)]
+        assert mine[-1].finish_reason == "stop"
+
+
+def test_metrics_exposed(server, client):
+    text = get_metrics(server)
+    for name in ("pagewise:num_requests_running", "pagewise:num_requests_waiting", "pagewise:kv_cache_usage_perc",
+                 "pagewise:num_used_kv_blocks", "pagewise:prefix_cache_hit_rate", "pagewise:prompt_tokens_total",
+                 "pagewise:generation_tokens_total", "pagewise:time_to_first_token_seconds_bucket",
+                 "pagewise:inter_token_latency_seconds_bucket", "pagewise:e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert metric(text, "pagewise:generation_tokens_total") > 0
+    assert metric(text, "pagewise:requests_finished_total", finished_reason="length") > 0
