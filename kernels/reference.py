@@ -67,6 +67,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q = query[rows].unsqueeze(2)  # [S, H, 1, D]
         lens_t = seq_lens[idx].to(query.device)
         mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]
+        # Slots past a shorter sequence's length hold whatever an earlier owner (or nothing) left
+        # there; a NaN among them would survive the mask (NaN * 0 = NaN), so zero them first.
+        keep = mask[:, None, :, None]
+        k, v = k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(2)

@@ -159,21 +159,24 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs,
+def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs, num_heads,
                         stride_o_tok, stride_o_head,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """out[tok, head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """out[tok, head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse), for BLOCK_H heads."""
     tok = tl.program_id(0)
-    head = tl.program_id(1)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
         return  # a padding row past the last sequence: the attention kernel wrote no parts for it
-    part = (tok.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + part)
-    weight = tl.exp2(lse - tl.max(lse, 0))  # finite max: the split holding the row's own key is never empty
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_valid = heads < num_heads
+    part = (tok.to(tl.int64) * num_heads + heads[:, None]) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)[None, :]
+    lse = tl.load(part_lse_ptr + part, mask=head_valid[:, None], other=0.0)  # [BLOCK_H, NUM_SPLITS]
+    # The max is finite: the split holding a row's own key is never empty. Empty splits weigh 0.
+    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=dim_valid[None, :],
-                    other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + tok.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    parts = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM_PAD + dims[None, None, :],
+                    mask=head_valid[:, None, None] & dim_valid[None, None, :], other=0.0)
+    out = tl.sum(parts * weight[:, :, None], 1) / tl.sum(weight, 1)[:, None]  # [BLOCK_H, HEAD_DIM_PAD]
+    tl.store(out_ptr + tok.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & dim_valid[None, :])

@@ -10,6 +10,7 @@ import functools
 import math
 
 import torch
+import triton
 from triton.runtime.jit import JITFunction
 
 from kernels import reference
@@ -20,6 +21,8 @@ from kernels.triton_kv_store import write_kv_kernel
 # triton.jit builds an interpreted kernel instead of a compiled one when TRITON_INTERPRET=1 was set
 # as these modules were imported; only the interpreted kind can take CPU tensors.
 INTERPRETED = not isinstance(paged_attention_kernel, JITFunction)
+# float32 elements one reduce program holds: 32 per thread at 4 warps, well within registers.
+REDUCE_TILE_ELEMENTS = 4096
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -107,9 +110,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
-        split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, query_start_loc, num_seqs, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, num_warps=4)
+        # Several heads per program: one head's parts (num_splits x head_dim) are too small a job.
+        block_h = min(next_power_of_2(num_heads), max(1, REDUCE_TILE_ELEMENTS // (num_splits * head_dim_pad)))
+        split_reduce_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            out, part_out, part_lse, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, BLOCK_H=block_h, num_warps=4)
     return out
 
 
