@@ -7,6 +7,7 @@ number of tensors (which sets the optimizer's per-tensor `step` counters) comes 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -109,6 +110,42 @@ class ModelSpec:
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         return replace(cls.from_hf_config(PRESETS[name]), name=name)
 
+    @classmethod
+    def from_dims(
+        cls,
+        *,
+        layers: int,
+        hidden: int,
+        heads: int,
+        vocab: int,
+        kv_heads: int | None = None,
+        ffn_hidden: int | None = None,
+        head_dim: int | None = None,
+        arch: str = "llama",
+        tie_embeddings: bool = False,
+        max_positions: int = 2048,
+    ) -> ModelSpec:
+        """From explicit dimensions. `arch` "llama": SwiGLU, RMSNorm, rotary, no biases, FFN 8h/3 by
+        default; "gpt": GELU MLP of 4h, LayerNorm, learned positions, biases (GPT-2/3)."""
+        if arch == "gpt":
+            if kv_heads not in (None, heads) or head_dim not in (None, hidden // heads):
+                raise ValueError("the gpt architecture has one KV head per head and head_dim = hidden / heads")
+            config = {
+                "model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "n_inner": ffn_hidden,
+                "vocab_size": vocab, "n_positions": max_positions, "tie_word_embeddings": tie_embeddings,
+                "activation_function": "gelu_pytorch_tanh", "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+            }
+        elif arch == "llama":
+            config = {
+                "model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+                "intermediate_size": ffn_hidden or 8 * hidden // 3, "max_position_embeddings": max_positions,
+                "tie_word_embeddings": tie_embeddings,
+            }
+        else:
+            raise ValueError(f"arch must be 'llama' or 'gpt', got {arch!r}")
+        return replace(cls.from_hf_config(config), name=f"custom {arch}")
+
     def with_params(self, params: int | None) -> ModelSpec:
         return self if params is None else replace(self, params_override=int(params))
 
@@ -185,6 +222,7 @@ class ModelSpec:
         """Parameter tensors on that busiest GPU (an optimizer keeps per-tensor counters)."""
         return self._busiest_stage(tp, pp)[1]
 
+    @functools.cache  # plan search asks for the same (tp, pp) thousands of times
     def _busiest_stage(self, tp: int, pp: int) -> tuple[int, int]:
         """(elements, tensors) of the pipeline stage with the most parameter elements, per TP rank."""
         base, extra = divmod(self.num_layers, pp)

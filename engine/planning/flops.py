@@ -1,0 +1,55 @@
+"""Training FLOPs: the 6ND rule, 8ND with full recomputation, and the exact per-layer count."""
+
+from __future__ import annotations
+
+from engine.planning.spec import ModelSpec
+
+FLOPS_METHODS = ("nd", "exact")
+
+
+def nd_flops(params: int, tokens: int, recompute: str = "none") -> float:
+    """C = 6ND (Kaplan et al. 2020, §2.1: 2ND forward, 4ND backward). Full recomputation runs the
+    forward twice: 8ND (Narayanan et al. 2021, §5.1; Korthikanti et al. 2022, §4.1)."""
+    return float((8 if recompute == "full" else 6) * params * tokens)
+
+
+def matmul_params_per_layer(spec: ModelSpec) -> int:
+    """Weights a token multiplies by in one layer: q, k, v, o projections and the MLP matrices."""
+    mlp_matrices = 3 if spec.mlp == "swiglu" else 2
+    return spec.hidden_size * (2 * spec.q_size + 2 * spec.kv_size) + mlp_matrices * spec.hidden_size * spec.ffn_hidden_size
+
+
+def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[int, int, int]:
+    """(layer matmuls, attention scores, LM head) forward FLOPs of one token, all layers.
+
+    A matmul costs 2 FLOPs per weight; QK^T and AV cost 2 x s x q_size each, counted over the full
+    s x s matrix as Narayanan et al. 2021 (eq. 3) do. Norms, softmax and activations are omitted.
+    """
+    layers = spec.num_layers * 2 * matmul_params_per_layer(spec)
+    attention = spec.num_layers * 4 * seq_len * spec.q_size
+    head = 2 * spec.hidden_size * spec.vocab_size
+    return layers, attention, head
+
+
+def exact_flops(spec: ModelSpec, seq_len: int, tokens: int, recompute: str = "none") -> float:
+    """Forward + backward (twice the forward: gradients for inputs and for weights) + what is recomputed:
+    every layer's forward with full recomputation, only the attention scores with selective
+    (Korthikanti et al. 2022, §4.3). For GPT with full recomputation this is Narayanan et al.'s
+    96 B s l h^2 (1 + s/6h + V/16lh)."""
+    layers, attention, head = forward_flops_per_token(spec, seq_len)
+    per_token = 3 * (layers + attention + head)
+    if recompute == "full":
+        per_token += layers + attention
+    elif recompute == "selective":
+        per_token += attention
+    return float(per_token) * tokens
+
+
+def training_flops(spec: ModelSpec, seq_len: int, tokens: int, method: str, recompute: str) -> tuple[float, float]:
+    """(FLOPs executed, model FLOPs): the second leaves recomputation out, as MFU requires
+    (Chowdhery et al. 2022, PaLM, Appendix B)."""
+    if method not in FLOPS_METHODS:
+        raise ValueError(f"flops method must be one of {FLOPS_METHODS}, got {method!r}")
+    if method == "nd":
+        return nd_flops(spec.params, tokens, recompute), nd_flops(spec.params, tokens)
+    return exact_flops(spec, seq_len, tokens, recompute), exact_flops(spec, seq_len, tokens)

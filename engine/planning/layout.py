@@ -1,0 +1,83 @@
+"""A parallel training layout, and the rules a layout and a model must satisfy together.
+
+Each violated rule raises PlanError naming the setting to change, so the CLI can name the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.planning.activations import RECOMPUTE
+from engine.planning.memory import OFFLOADS, ZERO_STAGES
+from engine.planning.spec import ModelSpec
+
+
+class PlanError(ValueError):
+    """A setting the user can change; `setting` is its name (the CLI flag without the dashes)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting, self.message = setting, message
+
+
+def check_positive(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise PlanError(name, f"must be positive, got {value}")
+
+
+def check_model_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Megatron-LM's rules: TP splits heads and the MLP evenly; each pipeline stage gets a layer."""
+    check_positive(tp=tp, pp=pp)
+    if spec.num_heads % tp:
+        raise PlanError("tp", f"{tp} does not divide the model's {spec.num_heads} attention heads")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        raise PlanError("tp", f"{tp} neither divides nor is a multiple of the {spec.num_kv_heads} KV heads")
+    if spec.ffn_hidden_size % tp:
+        raise PlanError("tp", f"{tp} does not divide the MLP's {spec.ffn_hidden_size} hidden units")
+    if pp > spec.num_layers:
+        raise PlanError("pp", f"{pp} stages for {spec.num_layers} layers leaves a stage empty")
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int = 1
+    gpus_per_node: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    offload: str = "none"
+    recompute: str = "none"
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: GPUs / (TP x PP)."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: grad accumulation x data-parallel size x micro batch."""
+        return self.grad_accum * self.dp * self.micro_batch
+
+    def check(self, spec: ModelSpec) -> None:
+        check_positive(nodes=self.nodes, gpus_per_node=self.gpus_per_node, micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        check_model_parallel(spec, self.tp, self.pp)
+        if self.gpus % (self.tp * self.pp):
+            raise PlanError("tp", f"tp x pp = {self.tp * self.pp} does not divide the {self.gpus} GPUs (nodes x gpus-per-node)")
+        if self.zero not in ZERO_STAGES:
+            raise PlanError("zero", f"must be one of {ZERO_STAGES}, got {self.zero}")
+        if self.offload not in OFFLOADS:
+            raise PlanError("offload", f"must be one of {OFFLOADS}, got {self.offload!r}")
+        if self.offload != "none" and self.zero < 2:
+            raise PlanError("offload", "ZeRO-Offload partitions gradients and optimizer state first: needs zero >= 2")
+        if self.offload == "optimizer+params" and self.zero < 3:
+            raise PlanError("offload", "offloading parameters needs their ZeRO-3 partition: zero 3")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError("recompute", f"must be one of {RECOMPUTE}, got {self.recompute!r}")

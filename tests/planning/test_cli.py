@@ -1,0 +1,93 @@
+"""`engine plan` as a user runs it: `python -m engine.planning.cli` in a subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.planning import ModelSpec, kv_bytes_per_token, kv_capacity_tokens
+from engine.planning.units import GiB
+
+TRAIN_KEYS = {"params", "global_batch", "steps", "flops", "time_s", "memory_per_gpu", "activations_per_layer", "cpu_memory", "fits"}
+MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "total"}
+SERVE_KEYS = {"params", "weights_per_gpu", "kv_bytes_per_token", "kv_capacity_tokens", "max_seqs_at_max_len"}
+TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9"]
+
+
+def engine_plan(*argv):
+    return subprocess.run(
+        [sys.executable, "-m", "engine.planning.cli", "plan", *argv], capture_output=True, text=True, timeout=60
+    )
+
+
+def plan_json(*argv):
+    done = engine_plan(*argv, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_train_json_keys_and_plain_numbers():
+    out = plan_json(*TRAIN, "--nodes", "2", "--gpus-per-node", "8", "--zero", "3", "--offload", "optimizer+params",
+                    "--gpu-memory-gib", "80", "--peak-tflops", "989", "--time-per-step", "2.5")
+    assert TRAIN_KEYS <= out.keys() and MEMORY_KEYS <= out["memory_per_gpu"].keys()
+    assert out["memory_per_gpu"]["weights"] == 0 and out["cpu_memory"] > 0  # offloaded, reported as CPU memory
+    assert out["time_s"] == out["steps"] * 2.5 and 0 < out["mfu"] < 1
+    assert isinstance(out["flops"], float) and isinstance(out["memory_per_gpu"]["total"], int)
+
+
+def test_serve_json_keys_and_fixed_kv_budget_matches_the_engine_rule():
+    out = plan_json("serve", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--kv-cache-memory-gib", "1.5", "--max-model-len", "2048")
+    assert SERVE_KEYS <= out.keys()
+    spec = ModelSpec.from_preset("qwen2.5-0.5b")
+    expected = kv_capacity_tokens(int(1.5 * GiB), kv_bytes_per_token(spec, 4), 16)  # what the engine computes on CPU
+    assert out["kv_capacity_tokens"] == expected
+    assert out["max_seqs_at_max_len"] == expected // 2048
+
+
+def test_search_json_lists_fitting_plans_best_first():
+    out = plan_json("search", "--model", "llama-2-7b", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
+                    "--seq-len", "4096", "--global-batch", "64", "--tokens", "1e10", "--achieved-tflops", "400", "--top", "3")
+    assert len(out["plans"]) == 3 and out["fitting"] >= 3
+    times = [p["time_s"] for p in out["plans"]]
+    assert times == sorted(times)
+    for p in out["plans"]:
+        assert TRAIN_KEYS <= p.keys() and p["fits"] and p["memory_per_gpu"]["total"] <= 80 * GiB
+
+
+@pytest.mark.parametrize("command", [
+    [*TRAIN, "--gpu-memory-gib", "80"],
+    ["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80"],
+    ["search", "--model", "gpt2", "--gpu-memory-gib", "24", "--seq-len", "1024", "--global-batch", "8", "--tokens", "1e8"],
+])
+def test_tables_by_default(command):
+    done = engine_plan(*command)
+    assert done.returncode == 0, done.stderr
+    assert "GiB" in done.stdout and not done.stdout.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([*TRAIN, "--gpus-per-node", "0"], "--gpus-per-node"),
+    ([*TRAIN, "--tp", "3", "--gpus-per-node", "3"], "--tp"),
+    ([*TRAIN, "--tp", "2"], "--tp"),  # 2-way TP on one GPU
+    (["train", "--layers", "2", "--hidden", "-64", "--heads", "4", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--hidden"),
+    (["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--kv-heads"),
+    ([*TRAIN, "--zero", "1", "--offload", "optimizer"], "--offload"),
+    ([*TRAIN, "--mfu", "0.5"], "--mfu"),
+    (["train", "--model", "llama-2-7b", "--seq-len", "4096"], "--tokens"),
+    (["train", "--model", "no-such-model", "--seq-len", "8", "--tokens", "8"], "--model"),
+    (["serve", "--model", "llama-2-7b"], "--gpu-memory-gib"),
+    (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    # 13 GPUs for GPT-2 (12 heads, 12 layers) can only be 13 data-parallel replicas
+    (["search", "--model", "gpt2", "--gpus-per-node", "13", "--gpu-memory-gib", "80", "--seq-len", "1024",
+      "--global-batch", "3", "--tokens", "1e9"], "--global-batch"),
+])
+def test_nonsense_is_an_argparse_error_naming_the_flag(argv, flag):
+    done = engine_plan(*argv)
+    assert done.returncode == 2
+    assert flag in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_importing_planning_does_not_import_torch():
+    code = "import sys, engine.planning, engine.planning.cli; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
