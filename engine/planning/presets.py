@@ -8,27 +8,27 @@ dropout 0.1; trained as Korthikanti et al. 2022 assume, with a fused GELU kernel
 from __future__ import annotations
 
 
-def _llama(layers, hidden, heads, kv_heads, ffn, vocab, max_pos, model_type="llama", tie=False, dtype="bfloat16"):
+def _llama(layers, hidden, heads, kv_heads, ffn, vocab, max_pos, model_type="llama", tie=False):
     return {
         "model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": ffn,
-        "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": tie, "torch_dtype": dtype,
+        "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": tie,
     }
 
 
 def _gpt(layers, hidden, heads, vocab, positions, activation):
     return {
         "model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "n_inner": None,
-        "vocab_size": vocab, "n_positions": positions, "tie_word_embeddings": True, "torch_dtype": "float16",
+        "vocab_size": vocab, "n_positions": positions, "tie_word_embeddings": True,
         "activation_function": activation, "attn_pdrop": 0.1, "resid_pdrop": 0.1,
     }
 
 
 PRESETS: dict[str, dict] = {
     "gpt2": _gpt(12, 768, 12, 50257, 1024, "gelu_new"),
-    "llama-2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, dtype="float16"),
-    "llama-2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 4096, dtype="float16"),
-    "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096, dtype="float16"),
+    "llama-2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama-2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 4096),
+    "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096),
     "llama-3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8192),
     "llama-3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192),
     "qwen2.5-0.5b": _llama(24, 896, 14, 2, 4864, 151936, 32768, model_type="qwen2", tie=True),

@@ -51,7 +51,6 @@ class ModelSpec:
     activation: str = "silu"  # Hugging Face name; sets what the MLP keeps for backward (see activations.py)
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0  # on the embeddings and after attention and MLP (GPT-2 `resid_pdrop`)
-    dtype: str = "bfloat16"
     params_override: int | None = None  # a published total that replaces the computed one
 
     def __post_init__(self) -> None:
@@ -74,7 +73,6 @@ class ModelSpec:
         if cfg.get("num_local_experts") or cfg.get("num_experts"):
             raise ValueError("mixture-of-experts models are not modeled by the planning estimators")
         model_type = cfg.get("model_type", "llama")
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
         name = cfg.get("_name_or_path") or model_type
         if model_type == "gpt2" or "n_embd" in cfg:
             hidden, heads = cfg["n_embd"], cfg["n_head"]
@@ -83,7 +81,7 @@ class ModelSpec:
                 head_dim=hidden // heads, ffn_hidden_size=cfg.get("n_inner") or 4 * hidden,
                 vocab_size=cfg["vocab_size"], max_position_embeddings=cfg.get("n_positions", 1024),
                 mlp="gelu", norm="layernorm", tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-                learned_positions=True, qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True, dtype=dtype,
+                learned_positions=True, qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True,
                 activation=cfg.get("activation_function", "gelu_new"),  # GPT2Config defaults
                 attention_dropout=cfg.get("attn_pdrop", 0.1), hidden_dropout=cfg.get("resid_pdrop", 0.1),
             )
@@ -98,7 +96,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 hard-codes bias on q, k, v only
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3", dtype=dtype, activation=cfg.get("hidden_act", "silu"),
+            qk_norm=model_type == "qwen3", activation=cfg.get("hidden_act", "silu"),
             attention_dropout=cfg.get("attention_dropout", 0.0),
         )
 

@@ -1,4 +1,4 @@
-"""The estimators against real tensors: two small transformers models trained one step on CPU.
+"""The estimators against real tensors: small transformers models trained one step on CPU.
 
 Model states (parameters, gradients, AdamW state) must match byte for byte; activations must be
 within 10% of what autograd saves for backward (counted with saved_tensors_hooks, deduplicated by
@@ -35,7 +35,15 @@ def gpt2(attn):
     ))
 
 
-MODELS = {"llama-gqa": llama_gqa, "gpt2": gpt2}
+def qwen3_tied(attn):  # explicit head_dim (32 != 64 / 4), q/k norms, tied embeddings
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation=attn, use_cache=False,
+        tie_word_embeddings=True,
+    ))
+
+
+MODELS = {"llama-gqa": llama_gqa, "gpt2": gpt2, "qwen3": qwen3_tied}
 KERNEL = {"eager": "eager", "sdpa": "flash"}  # torch's CPU sdpa is a flash-attention kernel
 
 
