@@ -66,6 +66,13 @@ def read_stats(prefix: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _ms(value) -> str:
+    try:
+        return f"{float(value):.0f}"
+    except (TypeError, ValueError):
+        return str(value or "")
+
+
 def summarize(rows: list[dict]) -> tuple[str, int, int]:
     """A table of the Locust entries, and (requests, failures) over the real requests."""
     lines = [f"{'type':<6} {'name':<24} {'reqs':>6} {'fails':>6} {'median ms':>10} {'p95 ms':>8} "
@@ -73,7 +80,7 @@ def summarize(rows: list[dict]) -> tuple[str, int, int]:
     total = fails = 0
     for r in rows:
         lines.append(f"{r['Type']:<6} {r['Name'][:24]:<24} {r['Request Count']:>6} {r['Failure Count']:>6} "
-                     f"{r['Median Response Time']:>10} {r.get('95%', ''):>8} {r.get('99%', ''):>8} "
+                     f"{_ms(r['Median Response Time']):>10} {_ms(r.get('95%')):>8} {_ms(r.get('99%')):>8} "
                      f"{float(r['Requests/s'] or 0):>7.2f}")
         if r["Name"] != "Aggregated" and r["Type"] != "TTFT":
             total += int(r["Request Count"])

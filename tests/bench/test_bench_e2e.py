@@ -1,0 +1,86 @@
+"""`engine bench` end to end on the tiny model: the JSON it writes must be self-consistent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow
+
+
+def bench(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "engine.bench.cli", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def ordered(d: dict) -> bool:
+    return d["p50_ms"] <= d["p90_ms"] <= d["p99_ms"] and d["median_ms"] == pytest.approx(d["p50_ms"])
+
+
+def test_throughput_compare_engine_and_hf(tiny_model_dir, tmp_path):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    proc = bench("throughput", "--model", tiny_model_dir, "--compare", "engine,hf", "--num-prompts", "6",
+                 "--input-len", "12", "--output-len", "5", "--range-ratio", "0.5", "--num-threads", "2",
+                 "--max-model-len", "128", "--hf-batch-size", "4", "--output-json", str(out), "--plot", str(png))
+    report = json.loads(out.read_text())
+    assert "| backend |" in proc.stdout and png.stat().st_size > 0
+    assert report["settings"]["num_prompts"] == 6 and report["num_requests"] == 6
+    assert [r["backend"] for r in report["results"]] == ["engine", "hf"]
+    for r in report["results"]:
+        m = r["metrics"]
+        assert r["token_count_ok"] and not r["token_count_mismatches"]
+        assert m["total_output_tokens"] == r["expected_output_tokens"]  # EOS ignored: exactly what was asked
+        assert m["num_requests"] == 6 and r["threads"] == 2
+        assert m["requests_per_s"] == pytest.approx(6 / m["wall_s"])
+        assert m["output_tokens_per_s"] == pytest.approx(m["total_output_tokens"] / m["wall_s"])
+        assert m["total_tokens_per_s"] == pytest.approx(
+            (m["total_input_tokens"] + m["total_output_tokens"]) / m["wall_s"])
+        assert r["startup_s"] >= r["load_s"] > 0
+    engine, hf = report["results"]
+    assert engine["metrics"]["total_input_tokens"] == hf["metrics"]["total_input_tokens"]  # same prompts
+
+
+def test_latency_engine(tiny_model_dir, tmp_path):
+    out = tmp_path / "l.json"
+    bench("latency", "--model", tiny_model_dir, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+          "--num-iters", "3", "--num-iters-warmup", "1", "--max-model-len", "128", "--output-json", str(out),
+          "--disable-tqdm")
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["token_count_ok"] and len(r["latencies_s"]) == 3 and len(r["ttfts_s"]) == 3
+    for key in ("e2e", "ttft", "tpot"):
+        assert ordered(r[key])
+    assert r["e2e"]["mean_ms"] > r["tpot"]["mean_ms"] > 0
+
+
+def test_serve_launch_engine(tiny_model_dir, tmp_path):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    n, out_len = 8, 6
+    proc = bench("serve", "--launch", "engine", "--model", tiny_model_dir, "--num-prompts", str(n),
+                 "--input-len", "16", "--output-len", str(out_len), "--max-concurrency", "4",
+                 "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
+                 "--server-arg=--max-model-len=128", "--launch-timeout", "180",
+                 "--output-json", str(out), "--plot", str(png))
+    assert "Serving Benchmark Result" in proc.stdout and png.stat().st_size > 0
+    r = json.loads(out.read_text())
+    m = r["metrics"]
+    assert (m["completed"], m["failed"]) == (n, 0)
+    assert m["total_output_tokens"] == n * out_len  # counted from usage; ignore_eos keeps lengths exact
+    assert m["total_input_tokens"] == n * 16
+    assert m["request_throughput"] == pytest.approx(n / m["duration_s"])
+    assert m["output_throughput"] == pytest.approx(n * out_len / m["duration_s"])
+    assert m["total_token_throughput"] == pytest.approx((n * 16 + n * out_len) / m["duration_s"])
+    assert m["good_requests"] == n and m["request_goodput"] == pytest.approx(m["request_throughput"])
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert ordered(m[key]), (key, m[key])
+    assert m["ttft"]["mean_ms"] <= m["e2el"]["mean_ms"]
+    # at most one gap per token (a server may put several tokens in one chunk)
+    assert 0 < len(r["samples"]["itl"]) <= n * (out_len - 1)
+    assert r["server"]["launched"] == "engine" and r["server"]["startup_s"] > 0
