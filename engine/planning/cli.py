@@ -49,7 +49,7 @@ fraction = _number("a fraction in (0, 1]", lambda v: 0 < v <= 1, float)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model: a preset or config.json, or dimensions")
+    g = p.add_argument_group("model: a preset or config.json, or dimensions (--arch and below: dimensions only)")
     g.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a config.json / model folder")
     g.add_argument("--layers", type=positive_int)
     g.add_argument("--hidden", type=positive_int)
@@ -84,8 +84,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> None:
-    """Register `plan` and its commands on an argparse subparsers object."""
-    plan = subparsers.add_parser("plan", help="estimate training and serving memory and time", description=__doc__)
+    """Register `plan` and its commands on an argparse subparsers object (`engine plan ...`)."""
+    add_commands(subparsers.add_parser("plan", help="estimate training and serving memory and time", description=__doc__))
+
+
+def add_commands(plan: argparse.ArgumentParser) -> None:
     commands = plan.add_subparsers(dest="plan_command", required=True)
 
     train = commands.add_parser("train", help="memory per GPU and time of one training layout")
@@ -160,7 +163,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 def _or_error(parser, flag, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         parser.error(f"argument {flag}: {e}")
 
 
@@ -172,6 +175,8 @@ def _plan_error(parser, e: PlanError):
 def throughput(args: argparse.Namespace) -> Throughput:
     if args.mfu is not None and args.peak_tflops is None:
         args.parser.error("argument --mfu: needs --peak-tflops")
+    if args.mfu is not None and args.achieved_tflops is not None:
+        args.parser.error("argument --mfu: give --achieved-tflops or --peak-tflops with --mfu, not both")
     return Throughput(
         achieved=_tera(args.achieved_tflops), peak=_tera(args.peak_tflops), mfu=args.mfu,
         time_per_step=getattr(args, "time_per_step", None),
@@ -250,8 +255,9 @@ def run_search(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="engine")
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    """`engine plan`: argv is what follows `plan` (`python -m engine.planning.cli train ...`)."""
+    parser = argparse.ArgumentParser(prog="engine plan", description=__doc__)
+    add_commands(parser)
     args = parser.parse_args(argv)
     return args.func(args)
 

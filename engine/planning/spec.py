@@ -70,6 +70,13 @@ class ModelSpec:
     def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
         """From a Hugging Face config: a dict (e.g. `PretrainedConfig.to_dict()`), a config.json, or its folder."""
         cfg = _load_config(config) if isinstance(config, (str, Path)) else dict(config)
+        try:
+            return cls._from_config_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"config has no {e.args[0]!r}: Llama, Mistral, Qwen2, Qwen3 and GPT-2 configs are understood") from None
+
+    @classmethod
+    def _from_config_dict(cls, cfg: dict) -> ModelSpec:
         if cfg.get("num_local_experts") or cfg.get("num_experts"):
             raise ValueError("mixture-of-experts models are not modeled by the planning estimators")
         model_type = cfg.get("model_type", "llama")

@@ -17,7 +17,7 @@ TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9
 
 def engine_plan(*argv):
     return subprocess.run(
-        [sys.executable, "-m", "engine.planning.cli", "plan", *argv], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "engine.planning.cli", *argv], capture_output=True, text=True, timeout=60
     )
 
 

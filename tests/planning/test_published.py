@@ -12,7 +12,7 @@ from engine.planning.units import MiB
 
 
 def plan(capsys, *argv):
-    assert main(["plan", *argv, "--json"]) == 0
+    assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 

@@ -42,3 +42,13 @@ def test_from_hf_config_dicts_of_the_engine_models():
     assert qwen3.head_dim == 128 and qwen3.qk_norm  # explicit head_dim beats hidden / heads
     qwen2 = ModelSpec.from_hf_config(transformers.Qwen2Config().to_dict())
     assert qwen2.qkv_bias and not qwen2.out_bias
+
+
+def test_config_json_file_or_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    from_dict = ModelSpec.from_hf_config(config.to_dict())
+    assert ModelSpec.from_hf_config(tmp_path) == from_dict == ModelSpec.from_hf_config(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
