@@ -2,7 +2,7 @@
 
     engine bench throughput --compare engine,vllm,hf --num-prompts 64 --input-len 128 --output-len 128
     engine bench latency --batch-size 8 --input-len 32 --output-len 128 --num-iters 10
-    engine bench serve --launch engine --max-concurrency 8 --num-prompts 64
+    engine bench serve --launch engine,vllm --max-concurrency 1,8,32 --num-prompts 64
 
 `add_parser(subparsers)` registers `bench` on the engine CLI; `main(argv)` runs alone.
 """
@@ -30,6 +30,25 @@ def _percentiles(text: str) -> list[float]:
     if not ps or not all(0 < p < 100 for p in ps):
         raise argparse.ArgumentTypeError(f"percentiles must lie in (0, 100), got {text!r}")
     return ps
+
+
+def _servers(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names or any(n not in ("engine", "vllm") for n in names):
+        raise argparse.ArgumentTypeError(f"--launch takes engine, vllm or engine,vllm; got {text!r}")
+    return names
+
+
+def _levels(text: str | None) -> list[int | None]:
+    if not text:
+        return [None]
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-concurrency takes integers like 8 or 1,8,32; got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--max-concurrency levels must be >= 1; got {text!r}")
+    return levels
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -108,13 +127,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = s.add_argument_group("server")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (ours or `vllm serve`)")
-    where.add_argument("--launch", choices=["engine", "vllm"], default=None,
-                       help="start this server on 127.0.0.1 (free port) and stop it afterwards")
+    where.add_argument("--launch", type=_servers, default=None, metavar="engine|vllm|engine,vllm",
+                       help="start this server (or each in turn) on 127.0.0.1, a free port, and stop it afterwards")
     g.add_argument("--served-model-name", default=None, help="model name in requests (default: GET /v1/models)")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the launched server, e.g. --server-arg=--max-num-seqs=64 (repeatable)")
     g.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health")
-    g.add_argument("--server-log", default=None, help="launched server's log file (default: a temp file)")
+    g.add_argument("--server-log", default=None, help="launched server's log file; {server} becomes engine / vllm (default: a temp file)")
     g.add_argument("--vllm-python", default=None, help="interpreter with vLLM installed, for --launch vllm")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g = s.add_argument_group("load")
@@ -123,7 +142,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="completions: send token ids (exact lengths, default) or decoded text")
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default inf)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--max-concurrency", type=str, default=None, metavar="N[,N...]",
+                   help="at most N requests in flight; a list (1,8,32) runs each level in turn, one table")
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (names: ttft, tpot, e2el)")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

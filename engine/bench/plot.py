@@ -56,19 +56,21 @@ def plot_latency(results: list[dict], path: str, percentiles: list[float]) -> No
     print(f"wrote {path}")
 
 
-def plot_serve(samples: dict[str, list[float]], path: str, label: str) -> None:
-    """Empirical CDFs of per-request TTFT / TPOT / E2EL and pooled ITL (seconds in, ms shown)."""
+def plot_serve(runs: dict[str, dict[str, list[float]]], path: str) -> None:
+    """Empirical CDFs of per-request TTFT / TPOT / E2EL and pooled ITL, one line per run (ms)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     for ax, key in zip(axes, ("ttft", "tpot", "itl", "e2el")):
-        v = np.sort(np.asarray(samples.get(key, []), dtype=np.float64) * 1000.0)
-        if v.size:
-            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
-            ax.legend(loc="lower right")
+        for label, samples in runs.items():
+            v = np.sort(np.asarray(samples.get(key, []), dtype=np.float64) * 1000.0)
+            if v.size:
+                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
         ax.set_title(f"{key.upper()} CDF")
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -2,7 +2,7 @@
 
 A `--compare` parent (or a vllm run under `--vllm-python`) delegates each backend to a
 child process (compare.py); a child, or a plain single-backend run, works in-process
-(offline.py). `serve` always runs in-process, against a URL or a server it launches.
+(offline.py). `serve` always runs in-process, against a URL or servers it launches (online.py).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def run(args) -> int:
     args.model = resolve_model(args.model)
     args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "auto"))
     if args.bench_mode == "serve":
+        from engine.bench.online import run_serve
+
         return run_serve(args)
     return run_offline(args, base_argv)
 
@@ -146,60 +148,3 @@ def in_process(args, requests) -> dict:
         return (run_throughput if args.bench_mode == "throughput" else run_latency)(args, requests)
     except VLLMUnavailable as e:
         return {"backend": args.backend, "error": str(e)}
-
-
-def launch_cmd(args) -> tuple[list[str], dict]:
-    from engine.bench.backends.vllm import cpu_env
-    from engine.bench.launch import engine_server_cmd, vllm_server_cmd
-
-    import torch
-
-    cpu = not torch.cuda.is_available()
-    kv_bytes = str(int(args.kv_cache_gib * (1 << 30)))
-    common = ["--dtype", args.dtype, "--seed", str(args.seed)]
-    if args.served_model_name:
-        common += ["--served-model-name", args.served_model_name]
-    if args.launch == "engine":
-        ours = ["--num-threads", str(args.num_threads), "--kv-cache-memory", kv_bytes]
-        return engine_server_cmd(args.model, common + ours + args.server_arg), {}
-    env = {k: os.environ.get(k, v) for k, v in cpu_env(args.num_threads).items()} if cpu else {}
-    theirs = ["--kv-cache-memory-bytes", kv_bytes] if cpu else []
-    return vllm_server_cmd(args.model, common + theirs + args.server_arg, python=args.vllm_python), env
-
-
-def run_serve(args) -> int:
-    from engine.bench import serve
-    from engine.bench.launch import ServerProcess
-
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    requests = build_requests(args, tokenizer)
-    server_info: dict = {}
-    if args.launch:
-        cmd, env = launch_cmd(args)
-        print(f"launching {args.launch}: {' '.join(cmd)}" + (f"  (env {env})" if env else ""), flush=True)
-        server = ServerProcess(cmd, env=env, startup_timeout=args.launch_timeout,
-                               log_path=args.server_log, name=f"{args.launch}-server")
-        with server:
-            print(f"{args.launch} healthy at {server.base_url} after {server.startup_s:.1f}s", flush=True)
-            server_info = {"launched": args.launch, "cmd": server.cmd, "env": env, "startup_s": server.startup_s,
-                           "log": server.log_path}
-            result = serve.run(args, requests, tokenizer, server.base_url)
-    else:
-        if not args.base_url:
-            raise SystemExit("engine bench serve: give --base-url URL or --launch engine|vllm")
-        result = serve.run(args, requests, tokenizer, args.base_url)
-    m = result["metrics"]
-    load = (f"request rate {args.request_rate:g}/s" + (f", burstiness {args.burstiness:g}" if args.request_rate != float('inf') else "")
-            + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-    print(f"\n{' Serving Benchmark Result ':=^50}\n{load}\n" + report.serve_summary(m, args.percentiles) + "\n" + "=" * 50)
-    if result["errors"]:
-        print("first errors:\n  " + "\n  ".join(e[:300] for e in result["errors"][:5]), file=sys.stderr)
-    out = {"mode": "serve", "settings": settings(args), "environment": report.environment(),
-           "server": server_info, **result}
-    if args.output_json:
-        report.write_json(args.output_json, out)
-    if args.plot:
-        from engine.bench import plot
-
-        plot.plot_serve(result["samples"], args.plot, label=args.launch or args.base_url)
-    return 0 if m["failed"] == 0 else 1

@@ -50,7 +50,8 @@ def prompt_for(req: SampleRequest, fmt: str, endpoint: str, tokenizer):
     return req.prompt if req.prompt is not None else tokenizer.decode(req.prompt_token_ids)
 
 
-async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, model: str) -> dict:
+async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, model: str,
+                   max_concurrency: int | None) -> dict:
     import httpx
     from tqdm import tqdm
 
@@ -71,7 +72,7 @@ async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, mod
             if not w.success:
                 raise RuntimeError(f"warm-up request failed, check the server and the arguments: {w.error}")
 
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="bench serve", disable=args.disable_tqdm)
         t0 = time.perf_counter()
 
@@ -119,12 +120,13 @@ async def resolve_model_name(args, api: str) -> str:
     return name or args.model or "default"
 
 
-def run(args, requests: list[SampleRequest], tokenizer, base_url: str) -> dict:
+def run(args, requests: list[SampleRequest], tokenizer, base_url: str, max_concurrency: int | None = None) -> dict:
+    """One measured run at one load level against `base_url`."""
     _, api = base_urls(base_url)
 
     async def main():
         model = await resolve_model_name(args, api)
-        out = await run_load(args, requests, tokenizer, api, model)
+        out = await run_load(args, requests, tokenizer, api, model, max_concurrency)
         out["served_model_name"] = model
         return out
 

@@ -64,12 +64,19 @@ def test_serve_launch_engine(tiny_model_dir, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     n, out_len = 8, 6
     proc = bench("serve", "--launch", "engine", "--model", tiny_model_dir, "--num-prompts", str(n),
-                 "--input-len", "16", "--output-len", str(out_len), "--max-concurrency", "4",
+                 "--input-len", "16", "--output-len", str(out_len), "--max-concurrency", "1,4",
                  "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
                  "--server-arg=--max-model-len=128", "--launch-timeout", "180",
                  "--output-json", str(out), "--plot", str(png))
-    assert "Serving Benchmark Result" in proc.stdout and png.stat().st_size > 0
-    r = json.loads(out.read_text())
+    assert "Serving Benchmark Result" in proc.stdout and "| server |" in proc.stdout and png.stat().st_size > 0
+    report = json.loads(out.read_text())
+    assert [(r["server"], r["max_concurrency"]) for r in report["runs"]] == [("engine", 1), ("engine", 4)]
+    assert report["servers"]["engine"]["startup_s"] > 0
+    for r in report["runs"]:
+        check_serve_run(r, n, out_len)
+
+
+def check_serve_run(r: dict, n: int, out_len: int) -> None:
     m = r["metrics"]
     assert (m["completed"], m["failed"]) == (n, 0)
     assert m["total_output_tokens"] == n * out_len  # counted from usage; ignore_eos keeps lengths exact
@@ -83,4 +90,3 @@ def test_serve_launch_engine(tiny_model_dir, tmp_path):
     assert m["ttft"]["mean_ms"] <= m["e2el"]["mean_ms"]
     # at most one gap per token (a server may put several tokens in one chunk)
     assert 0 < len(r["samples"]["itl"]) <= n * (out_len - 1)
-    assert r["server"]["launched"] == "engine" and r["server"]["startup_s"] > 0

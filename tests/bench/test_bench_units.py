@@ -227,3 +227,15 @@ def test_server_process_reports_early_exit(tmp_path):
                            startup_timeout=30, name="broken", log_path=str(tmp_path / "broken.log"))
     with pytest.raises(RuntimeError, match="(?s)exited with code 3.*bad flag"):
         server.start()
+
+
+def test_serve_level_and_server_lists():
+    import argparse
+
+    from engine.bench.cli import _levels, _servers
+
+    assert _levels(None) == [None] and _levels("1,8,32") == [1, 8, 32]
+    assert _servers("engine,vllm") == ["engine", "vllm"]
+    for bad, fn in (("0", _levels), ("a", _levels), ("sglang", _servers)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(bad)
