@@ -96,9 +96,13 @@ def paged_attention_kernel(
     seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
+    num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
+    local = pid - (q_start // BLOCK_Q + seq)
+    if local >= num_q_blocks:
         return
+    # Causal tiles late in a sequence see the most keys: hand them to the earliest programs, so the
+    # longest work starts first and the cheap tiles fill the tail of the launch.
+    q_block = num_q_blocks - 1 - local
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len  # keys already cached before this step's queries
 

@@ -58,6 +58,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], num_warps=4)
 
 
+def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_seqs: int, *,
+                num_splits: int | None = None, config: TileConfig | None = None) -> tuple[TileConfig, int]:
+    """The tile shape and split count paged_attention uses for these tensors (None = heuristic)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    cfg = config or tile_config(num_tokens, num_seqs, group, next_power_of_2(head_dim))
+    if num_splits is None:
+        # block_tables is at least as wide as the longest sequence's blocks: a context bound that
+        # needs no sync. A table padded far wider only makes splitting likelier (empty splits exit).
+        busy = max(num_seqs, -(-num_tokens // max(cfg.block_m // group, 1))) * num_kv_heads
+        num_splits = num_kv_splits(busy, block_tables.shape[1] * block_size, _num_sms(query.device))
+    return cfg, num_splits
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
@@ -75,7 +90,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _check_device(query)
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    cfg = config or tile_config(num_tokens, num_seqs, group, head_dim_pad)
+    cfg, num_splits = launch_plan(query, k_cache, block_tables, num_seqs, num_splits=num_splits, config=config)
     block_q = cfg.block_m // group
     assert block_q >= 1, "a tile must hold at least one token's whole head group"
     if out is None:
@@ -83,12 +98,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert out.shape == query.shape and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-
-    if num_splits is None:
-        # block_tables is at least as wide as the longest sequence's blocks: a context bound that
-        # needs no sync. A table padded far wider only makes splitting likelier (empty splits exit).
-        busy = max(num_seqs, -(-num_tokens // block_q)) * num_kv_heads
-        num_splits = num_kv_splits(busy, block_tables.shape[1] * block_size, _num_sms(query.device))
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32,

@@ -81,9 +81,10 @@ def test_prefixes_at_tile_boundaries(triton_ops):
 def test_split_kv(triton_ops, num_splits, dtype):
     # Long decodes, a short decode whose later splits are empty, a chunk after a prefix and a whole
     # prompt whose early rows see nothing in the later splits: the reduce must weigh those to zero.
+    # Narrow tiles put split boundaries inside these short contexts (the mixed-batch test and the
+    # random batches split with the real tiles).
     b = make_batch([1, 1, 1, 20, 40], [150, 200, 5, 90, 40], group=4, dtype=dtype, seed=num_splits)
-    for kind in ("decode", "narrow"):
-        run(triton_ops, b, kind, num_splits=num_splits)
+    run(triton_ops, b, "narrow", num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
