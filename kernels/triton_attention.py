@@ -43,6 +43,9 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
                  DOT_PRECISION: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax state of every row.
 
+    Both matmuls run in the query's dtype: a cache of another dtype (kv_cache_dtype) is converted
+    tile by tile as it is loaded, as the reference converts it (a no-op when they match).
+
     MASK=False is the fast path for tiles that lie entirely below every row's causal diagonal and
     inside the key range; MASK=True also hides keys past `hi` and keys after each row's position.
     """
@@ -60,7 +63,7 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
     slots = keys % BLOCK_SIZE
 
     k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_blk + slots[:, None] * stride_k_slot
-                + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0)
+                + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASK:
         s = tl.where(kv_valid[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
@@ -73,8 +76,8 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_cache_ptr + blocks[:, None] * stride_v_blk + slots[:, None] * stride_v_slot
-                + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 

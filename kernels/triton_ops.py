@@ -83,7 +83,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert k_cache.dtype == v_cache.dtype == query.dtype, "query and KV cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "K and V caches must share a dtype"
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert query.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == block_tables.stride(-1) == 1

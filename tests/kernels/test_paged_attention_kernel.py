@@ -98,6 +98,14 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(triton_ops, dtype):
             run(triton_ops, b, kind, num_splits)
 
 
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)])
+def test_cache_dtype_differs_from_query_dtype(triton_ops, query_dtype, cache_dtype):
+    # kv_cache_dtype may differ from the model's dtype: attention runs in the query's dtype.
+    b = make_batch([1, 6], [40, 30], dtype=cache_dtype)
+    b.query = b.query.to(query_dtype)
+    run(triton_ops, b, "decode", num_splits=2)
+
+
 def test_sequence_with_no_new_queries(triton_ops):
     run(triton_ops, make_batch([0, 3, 0], [10, 3, 4]), "decode")
 
@@ -119,7 +127,8 @@ def batches(draw):
     return dict(
         q_lens=[q for q, _ in seqs], seq_lens=[s for _, s in seqs],
         num_kv_heads=draw(st.integers(1, 2)), group=draw(st.integers(1, 8)),
-        head_dim=draw(st.sampled_from([64, 80, 96, 128, 256])), block_size=draw(st.sampled_from([16, 32])),
+        head_dim=draw(st.sampled_from([64, 80, 96, 128, 256])),
+        block_size=draw(st.sampled_from([8, 16, 32, 64, 128])),  # every size EngineConfig allows
         dtype=draw(st.sampled_from(DTYPES)), index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         seed=draw(st.integers(0, 2**16)))
 
