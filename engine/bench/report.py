@@ -18,6 +18,7 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
         import torch
@@ -28,6 +29,17 @@ def environment() -> dict:
     except ImportError:
         pass
     return env
+
+
+def warn_if_busy() -> None:
+    """Other work on the cores skews every number (and torch's spinning threads make it worse)."""
+    if not hasattr(os, "getloadavg"):
+        return
+    load1 = os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load1 > 0.5 * cores:
+        print(f"note: the machine is busy (1-minute load average {load1:.1f} on {cores} cores): "
+              "timings will be noisy; compare backends only within one run", file=sys.stderr)
 
 
 def write_json(path: str, report: dict) -> None:

@@ -60,6 +60,7 @@ def run(args) -> int:
         args.vllm_kwargs = parse_kv(args.vllm_arg)
         if args.requests_file:  # a child of --compare
             return run_child(args)
+    report.warn_if_busy()
     args.model = resolve_model(args.model)
     args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "auto"))
     if args.bench_mode == "serve":
