@@ -196,10 +196,10 @@ class AsyncEngine:
         self._wake.set()
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None) -> _RequestStream:
-        self.check_health()
-        if not self._accepting:
+        if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1
             raise EngineShuttingDownError("server is shutting down")
+        self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         with self._lock:
@@ -246,7 +246,7 @@ class AsyncEngine:
                 self._core_stats = core.stats()
         except BaseException as e:  # a failed start is reported to start()'s caller
             self._dead = e
-            self._post(lambda: ready.done() or ready.set_exception(e))
+            self._post(lambda e=e: ready.done() or ready.set_exception(e))  # bind e: `except` unbinds it
             return
         self._post(lambda: ready.done() or ready.set_result(None))
         try:
@@ -265,7 +265,7 @@ class AsyncEngine:
         except BaseException as e:
             logger.exception("engine loop died; failing all pending requests")
             self._dead = e
-            self._post(lambda: self._fail_all(e))
+            self._post(lambda e=e: self._fail_all(e))
 
     def _apply_commands(self, core) -> None:
         rejected = []

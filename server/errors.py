@@ -79,6 +79,10 @@ def validation_error(errors: list[dict]) -> APIError:
         return bad_request(f"{param} is not a supported field", param=param, code="unsupported_field")
     if err.get("type") == "missing":
         return bad_request(f"{param} is required", param=param, code="missing_field")
+    if err.get("type") == "too_short":
+        return bad_request(f"{param} must not be empty", param=param)
+    if err.get("type") == "model_type" and not param:
+        return bad_request("request body must be a JSON object", code="invalid_json")
     msg = msg.removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
 

@@ -1,0 +1,116 @@
+"""Bad input, table-driven: each case gets the right HTTP status and an OpenAI-shaped error that
+names the field; the server answers normally afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.server_harness import API_KEY, MAX_BODY_BYTES
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return {"json": {"messages": MSG, "max_tokens": 4, **fields}}
+
+
+def comp(**fields):
+    return {"json": {"prompt": "hello", "max_tokens": 4, **fields}}
+
+
+def _chunks(data: bytes, size: int = 8192):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+BIG = json.dumps({"prompt": "x " * MAX_BODY_BYTES, "max_tokens": 1}).encode()
+
+# (case id, path, request kwargs, expected status, expected `param` (None: not checked), headers)
+CASES = [
+    ("malformed-json", "/v1/completions", {"content": b'{"prompt": "hi",'}, 400, None, KEY),
+    ("empty-body", "/v1/chat/completions", {"content": b""}, 400, None, KEY),
+    ("body-not-object", "/v1/completions", {"content": b"[1, 2, 3]"}, 400, None, KEY),
+    ("max-tokens-string", "/v1/completions", comp(max_tokens="5"), 400, "max_tokens", KEY),
+    ("temperature-string", "/v1/chat/completions", chat(temperature="hot"), 400, "temperature", KEY),
+    ("n-bool", "/v1/completions", comp(n=True), 400, "n", KEY),
+    ("prompt-wrong-type", "/v1/completions", comp(prompt={"text": "hi"}), 400, "prompt", KEY),
+    ("unknown-model", "/v1/chat/completions", chat(model="gpt-9"), 404, "model", KEY),
+    ("negative-max-tokens", "/v1/completions", comp(max_tokens=-5), 400, "max_tokens", KEY),
+    ("zero-max-completion-tokens", "/v1/chat/completions", chat(max_completion_tokens=0), 400,
+     "max_completion_tokens", KEY),
+    ("huge-max-tokens", "/v1/completions", comp(max_tokens=10**9), 400, "max_tokens", KEY),
+    ("temperature-out-of-range", "/v1/completions", comp(temperature=3.5), 400, "temperature", KEY),
+    ("top-p-zero", "/v1/chat/completions", chat(top_p=0.0), 400, "top_p", KEY),
+    ("n-zero", "/v1/chat/completions", chat(n=0), 400, "n", KEY),
+    ("min-tokens-over-max", "/v1/completions", comp(min_tokens=10), 400, "min_tokens", KEY),
+    ("completion-logprobs-too-many", "/v1/completions", comp(logprobs=50), 400, "logprobs", KEY),
+    ("top-logprobs-too-many", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", KEY),
+    ("top-logprobs-without-logprobs", "/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs", KEY),
+    ("empty-messages", "/v1/chat/completions", {"json": {"messages": []}}, 400, "messages", KEY),
+    ("messages-not-list", "/v1/chat/completions", {"json": {"messages": "hi"}}, 400, "messages", KEY),
+    ("missing-messages", "/v1/chat/completions", {"json": {"max_tokens": 3}}, 400, "messages", KEY),
+    ("unknown-role", "/v1/chat/completions", {"json": {"messages": [{"role": "wizard", "content": "x"}]}}, 400,
+     "messages[0].role", KEY),
+    ("tool-role", "/v1/chat/completions", {"json": {"messages": [{"role": "tool", "content": "x"}]}}, 400,
+     "messages[0].role", KEY),
+    ("missing-content", "/v1/chat/completions", {"json": {"messages": [{"role": "user"}]}}, 400,
+     "messages[0].content", KEY),
+    ("image-part", "/v1/chat/completions",
+     {"json": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}, 400,
+     "messages[0].content[0]", KEY),
+    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     KEY),
+    ("tool-choice", "/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice", KEY),
+    ("json-response-format", "/v1/chat/completions", chat(response_format={"type": "json_object"}), 400,
+     "response_format", KEY),
+    ("logit-bias", "/v1/completions", comp(logit_bias={"5": 10}), 400, "logit_bias", KEY),
+    ("unknown-field", "/v1/completions", comp(frobnicate=1), 400, "frobnicate", KEY),
+    ("stream-options-without-stream", "/v1/completions", comp(stream_options={"include_usage": True}), 400,
+     "stream_options", KEY),
+    ("empty-prompt", "/v1/completions", comp(prompt=""), 400, "prompt", KEY),
+    ("empty-prompt-list", "/v1/completions", comp(prompt=[]), 400, "prompt", KEY),
+    ("token-id-out-of-vocab", "/v1/completions", comp(prompt=[1, 2, 10**7]), 400, "prompt", KEY),
+    ("prompt-over-context", "/v1/completions", comp(prompt="hello " * 600), 400, "prompt", KEY),
+    ("chat-over-context", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi " * 600}]}},
+     400, "messages", KEY),
+    ("oversized-body", "/v1/completions", {"content": BIG}, 413, None, KEY),
+    ("oversized-body-chunked", "/v1/completions", {"content": _chunks}, 413, None, KEY),
+    ("missing-api-key", "/v1/completions", comp(), 401, None, {}),
+    ("wrong-api-key", "/v1/chat/completions", chat(), 401, None, {"Authorization": "Bearer nope"}),
+    ("wrong-auth-scheme", "/v1/models", {}, 401, None, {"Authorization": f"Basic {API_KEY}"}),
+    ("unknown-route", "/v1/embeddings", comp(), 404, None, KEY),
+    ("wrong-method", "/v1/completions", {"method": "GET"}, 405, None, KEY),
+]
+
+
+@pytest.mark.parametrize("case,path,kwargs,status,param,headers", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server, case, path, kwargs, status, param, headers):
+    kwargs = dict(kwargs)
+    method = kwargs.pop("method", "GET" if path == "/v1/models" else "POST")
+    if kwargs.get("content") is _chunks:
+        kwargs["content"] = _chunks(BIG)  # a generator: sent chunked, without Content-Length
+    r = httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    if status == 401:
+        assert r.headers.get("www-authenticate") == "Bearer"
+
+
+def test_still_serving_after_bad_input(server, client):
+    """Runs after the table (same session server): nothing above left the server broken."""
+    assert httpx.get(server.url + "/health").status_code == 200
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=MSG, max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    stream = client.completions.create(model=model, prompt="hello", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) is not None
