@@ -182,6 +182,8 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             backend=self.attn_backend,
         )
+        meta.plan = kernels.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, bs,
+                                           backend=self.attn_backend)
         hidden, residual = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
         out = StepLogits(sample_reqs, None)
         if sample_rows:

@@ -65,9 +65,20 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch")
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    backend: str = "torch"):
-    """Causal attention of each sequence's new queries over its cached keys and values."""
+                    backend: str = "torch", plan=None):
+    """Causal attention of each sequence's new queries over its cached keys and values.
+    `plan` (torch backend): reference.plan_attention's per-step batch layout, shared by all layers."""
+    if backend == "torch":
+        return reference.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                         plan=plan)
     return _ops(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, backend: str = "torch"):
+    """Per-step work shared by every layer's attention call; None where the backend needs none."""
+    if backend == "torch":
+        return reference.plan_attention(block_tables, query_start_loc, seq_lens, block_size)
+    return None
 
 
 def copy_blocks(k_cache, v_cache, src, dst, backend: str = "torch") -> None:

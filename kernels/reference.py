@@ -16,6 +16,8 @@ position seq_lens[i] - q_len + j and attends causally to keys 0..that position. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,63 +37,86 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_seqs, n_blocks] block ids -> [num_seqs, num_kv_heads, n_blocks*block_size, head_dim]."""
-    blocks = cache[block_table.clamp(min=0).long()]  # [S, nb, bs, H, D]
-    s, nb, bs, h, d = blocks.shape
-    return blocks.view(s, nb * bs, h, d)[:, :length].transpose(1, 2)
+@dataclass
+class AttentionPlan:
+    """Everything about a step's batch that every layer would otherwise recompute: which rows are
+    decodes, their padded key mask and flattened block ids, and each prefill's extent."""
+
+    decode_rows: torch.Tensor | None  # query rows of the one-token sequences
+    decode_blocks: torch.Tensor | None  # [num_decodes * n_blocks] block ids, row-major
+    decode_valid: torch.Tensor | None  # [num_decodes, 1, 1, n_blocks * block_size]: key slot inside the sequence
+    decode_len: int
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, last row + 1, seq_len, block ids)
+
+
+def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    prefills = []
+    for i in range(len(lens)):
+        if starts[i + 1] - starts[i] > 1:
+            n_blocks = -(-lens[i] // block_size)
+            prefills.append((starts[i], starts[i + 1], lens[i], block_tables[i, :n_blocks].long()))
+    if not decode:
+        return AttentionPlan(None, None, None, 0, prefills)
+    dev = block_tables.device
+    idx = torch.tensor(decode, device=dev)
+    n_blocks = -(-max(lens[i] for i in decode) // block_size)
+    padded = n_blocks * block_size
+    valid = torch.arange(padded, device=dev)[None, :] < seq_lens[idx].to(dev)[:, None]
+    blocks = block_tables[idx, :n_blocks].clamp(min=0).long().flatten()
+    return AttentionPlan(query_start_loc[idx].long(), blocks, valid[:, None, None, :], padded, prefills)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Flattened block ids -> [num_seqs, num_kv_heads, n_blocks * block_size, head_dim]."""
+    _, bs, h, d = cache.shape
+    return cache.index_select(0, blocks).view(num_seqs, -1, h, d).transpose(1, 2)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached keys and values."""
+                    scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys and values.
+    `plan` (from plan_attention) may be shared by all layers of a step; it is built if absent."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    gqa = num_heads != num_kv_heads
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
 
-    # Decodes (one query each) run as one padded batch: the common case of a serving step.
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, device=query.device)
-        max_len = max(lens[i] for i in decode)
-        n_blocks = -(-max_len // block_size)
-        table = block_tables[idx, :n_blocks]
-        k = _gather(k_cache, table, max_len)
-        v = _gather(v_cache, table, max_len)
-        rows = query_start_loc[idx].long()
-        q = query[rows].unsqueeze(2)  # [S, H, 1, D]
-        lens_t = seq_lens[idx].to(query.device)
-        mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]
-        # Slots past a shorter sequence's length hold whatever an earlier owner (or nothing) left
-        # there; a NaN among them would survive the mask (NaN * 0 = NaN), so zero them first.
-        keep = mask[:, None, :, None]
-        k, v = k.masked_fill(~keep, 0), v.masked_fill(~keep, 0)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=gqa)
-        out[rows] = o.squeeze(2)
+    if plan.decode_rows is not None:
+        # Decodes (one query each) as one padded batch, the common serving step. Grouped-query
+        # heads share their KV head through a reshape, not a copy: q [S, Hkv, group, D].
+        s = plan.decode_rows.numel()
+        k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype)
+        v = _gather(v_cache, plan.decode_blocks, s).to(query.dtype)
+        q = query[plan.decode_rows].view(s, num_kv_heads, group, head_dim)
+        # Slots past a sequence's length hold another request's data (or a padding block's):
+        # `where`, not an additive mask, and zeroed values, so even a NaN there cannot leak in.
+        valid = plan.decode_valid
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        scores = torch.where(valid, scores, float("-inf"))
+        probs = scores.softmax(dim=-1).to(query.dtype)
+        v = v.masked_fill(~valid.view(s, 1, -1, 1), 0)
+        out[plan.decode_rows] = torch.matmul(probs, v).view(s, num_heads, head_dim)
 
     # Prefill chunks: one sequence at a time, causal with the cached prefix in front.
-    for i, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
-        seq_len = lens[i]
-        n_blocks = -(-seq_len // block_size)
-        table = block_tables[i: i + 1, :n_blocks]
-        k = _gather(k_cache, table, seq_len).to(query.dtype)
-        v = _gather(v_cache, table, seq_len).to(query.dtype)
-        q = query[starts[i]: starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    gqa = group != 1
+    for first, last, seq_len, blocks in plan.prefills:
+        q_len = last - first
+        k = _gather(k_cache, blocks, 1)[:, :, :seq_len].to(query.dtype)
+        v = _gather(v_cache, blocks, 1)[:, :, :seq_len].to(query.dtype)
+        q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[starts[i]: starts[i + 1]] = o[0].transpose(0, 1)
+        out[first:last] = o[0].transpose(0, 1)
     return out
 
 

@@ -18,6 +18,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     seq_lens: torch.Tensor  # [num_seqs]
     backend: str = "torch"
+    plan: object | None = None  # kernels.plan_attention(...): computed once per step, used by every layer
 
 
 class PagedAttention(nn.Module):
@@ -31,4 +32,4 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=meta.backend)
         return kernels.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                                       meta.seq_lens, self.scale, backend=meta.backend)
+                                       meta.seq_lens, self.scale, backend=meta.backend, plan=meta.plan)

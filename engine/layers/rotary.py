@@ -42,25 +42,22 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
+    """One table for the whole model: cos/sin are looked up once per step and shared by all layers."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        # [max_positions, head_dim]: cos and sin each repeated over the two halves.
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)  # [P, head_dim/2]
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions: [T, 1, head_dim/2], broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated (same dtypes)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q = (qf * cos + self._rotate_half(qf) * sin).to(q.dtype)
-        k = (kf * cos + self._rotate_half(kf) * sin).to(k.dtype)
-        return q, k
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

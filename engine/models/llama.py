@@ -15,7 +15,7 @@ from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_settings
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
 
 
 def head_dim_of(cfg) -> int:
@@ -23,7 +23,7 @@ def head_dim_of(cfg) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg):
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -37,18 +37,16 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        theta, scaling = rope_settings(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, max_positions, theta, scaling)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -69,19 +67,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg):
         super().__init__()
-        self.self_attn = Attention(cfg, max_positions)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, rope, x, residual, meta):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -92,15 +90,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Pipeline stages own a contiguous range of layers; single-process owns all.
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, max_positions)
-                                     for i in range(self.start_layer, self.end_layer)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        theta, scaling = rope_settings(cfg)
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, theta, scaling)
 
     def forward(self, input_ids, positions, meta, hidden=None, residual=None):
         if self.start_layer == 0:
             hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions)
         for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         return hidden, residual
 
 

@@ -15,12 +15,22 @@ def hf_model(path: str):
 
 
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
+    import copy
+
     model = hf_model(path)
     ids = torch.tensor([prompt])
-    extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0, **extra)
+    saved = copy.deepcopy(model.generation_config)
+    config = model.generation_config
+    config.do_sample, config.max_new_tokens, config.pad_token_id = False, max_new_tokens, 0
+    if ignore_eos:
+        # EOS as an ordinary token (not masked, as min_new_tokens would do): the engine's ignore_eos.
+        # Cleared on the model itself: generate() refills a None EOS from the model's own config.
+        config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids))
+    finally:
+        model.generation_config = saved
     return out[0, len(prompt):].tolist()
 
 
