@@ -112,3 +112,27 @@ def test_cancelled_streams_free_everything(server):
         model = client.models.list().data[0].id
         r = client.completions.create(model=model, prompt="After the storm", max_tokens=8, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+
+
+def test_disconnected_non_streaming_request_is_aborted(server):
+    """A plain (non-streaming) request whose client gives up is aborted too, not run to the end."""
+    before = get_metrics(server)
+    aborted_before = metric(before, "pagewise:requests_finished_total", finished_reason="abort") or 0.0
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "n": 4, "temperature": 0, "ignore_eos": True}
+    try:
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=0.3)
+        raise AssertionError("the request finished before the client timeout; make it longer")
+    except httpx.TimeoutException:
+        pass  # the client hung up mid-generation
+    deadline = time.monotonic() + 15
+    while True:
+        text = get_metrics(server)
+        aborted = (metric(text, "pagewise:requests_finished_total", finished_reason="abort") or 0.0) - aborted_before
+        if aborted == 4 and metric(text, "pagewise:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, f"not aborted: aborted choices={aborted}"
+        time.sleep(0.1)
+    assert metric(text, "pagewise:num_used_kv_blocks") == 0
+    generated = metric(text, "pagewise:generation_tokens_total") - metric(before, "pagewise:generation_tokens_total")
+    assert generated < 4 * 480
