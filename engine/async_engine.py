@@ -105,7 +105,6 @@ class AsyncEngine:
         self._core_stats: dict = {}
         self._counters = {"num_requests_admitted": 0, "num_requests_rejected": 0, "num_requests_aborted": 0,
                           "num_requests_failed": 0}
-        self._accepting = False
         self._shutdown_task: asyncio.Future | None = None
         self._dead: BaseException | None = None
         # Filled in by start() from the core.
@@ -123,7 +122,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(ready,), name="pagewise-engine", daemon=True)
         self._thread.start()
         await ready  # raises whatever the core's constructor raised
-        self._accepting = True
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest,
@@ -134,7 +132,6 @@ class AsyncEngine:
         await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self, timeout: float) -> None:
-        self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -312,7 +309,6 @@ class AsyncEngine:
             stream.fail(error)
 
     def _fail_all(self, cause: BaseException) -> None:
-        self._accepting = False
         for request_id, stream in list(self._streams.items()):
             self._counters["num_requests_failed"] += 1
             stream.fail(EngineDeadError(f"engine loop stopped: {type(cause).__name__}"))
