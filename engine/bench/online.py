@@ -35,6 +35,17 @@ def launch_cmd(args, which: str) -> tuple[list[str], dict]:
     return vllm_server_cmd(args.model, common + theirs + args.server_arg, python=args.vllm_python), env
 
 
+def check_vllm(python: str) -> None:
+    """Fail early, with install instructions, if `python` cannot import vLLM."""
+    import subprocess
+
+    from engine.bench.backends.vllm import INSTALL_HINT
+
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise SystemExit(INSTALL_HINT.format(python=python) + "\n" + "".join(probe.stderr.strip().splitlines()[-1:]))
+
+
 def load_label(args, level: int | None) -> str:
     rate = f"request rate {args.request_rate:g}/s"
     if args.request_rate != float("inf"):
@@ -71,6 +82,8 @@ def run_serve(args) -> int:
     requests = build_requests(args, tokenizer)
     runs: list[dict] = []
     servers: dict[str, dict] = {}
+    if "vllm" in (args.launch or []):
+        check_vllm(args.vllm_python or sys.executable)
     for which in args.launch or []:
         cmd, env = launch_cmd(args, which)
         log = None

@@ -90,3 +90,22 @@ def check_serve_run(r: dict, n: int, out_len: int) -> None:
     assert m["ttft"]["mean_ms"] <= m["e2el"]["mean_ms"]
     # at most one gap per token (a server may put several tokens in one chunk)
     assert 0 < len(r["samples"]["itl"]) <= n * (out_len - 1)
+
+
+VLLM_PYTHON = os.environ.get("PAGEWISE_VLLM_PYTHON")  # e.g. /work/venv-vllm/bin/python
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set PAGEWISE_VLLM_PYTHON to an interpreter with vLLM installed")
+def test_throughput_compare_with_vllm(tmp_path):
+    """Opt-in (vLLM's start-up compiles for a minute or more): the same prompts through vLLM."""
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny64", head_dim=64)  # vLLM-CPU attention needs head_dim >= 32
+    out = tmp_path / "v.json"
+    bench("throughput", "--model", model, "--compare", "engine,vllm", "--vllm-python", VLLM_PYTHON,
+          "--num-prompts", "4", "--input-len", "12", "--output-len", "5", "--max-model-len", "128",
+          "--output-json", str(out), timeout=900)
+    engine, vllm = json.loads(out.read_text())["results"]
+    assert vllm["token_count_ok"] and vllm["info"]["vllm"]
+    assert vllm["metrics"]["total_output_tokens"] == engine["metrics"]["total_output_tokens"] == 20
+    assert vllm["info"]["vllm_env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
