@@ -16,6 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from engine.parallel.pipeline import recv_activations, send_activations
 
 
 def head_dim_of(cfg) -> int:
@@ -85,22 +86,32 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder layers of one pipeline stage (a single process is the one stage owning all).
+    The first stage embeds the tokens, the others receive the previous stage's hidden states and
+    residual stream; the last stage keeps the final norm, the others send their output on."""
+
     def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        # Pipeline stages own a contiguous range of layers; single-process owns all.
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
+        self.hidden_size = cfg.hidden_size
+        self.dtype = torch.get_default_dtype()  # what the previous stage sends (the runner builds under its dtype)
+        first, last = self.start_layer == 0, self.end_layer == cfg.num_hidden_layers
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(self.start_layer, self.end_layer)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         theta, scaling = rope_settings(cfg)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, theta, scaling)
 
-    def forward(self, input_ids, positions, meta, hidden=None, residual=None):
-        if self.start_layer == 0:
+    def forward(self, input_ids, positions, meta):
+        if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary(positions)
+        else:
+            hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
+        rope = self.rotary(positions, self.norm.weight.dtype)
         for layer in self.layers.values():
             hidden, residual = layer(rope, hidden, residual, meta)
+        if self.norm is None:
+            send_activations(hidden, residual)
         return hidden, residual
 
 
@@ -119,19 +130,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions, layer_range)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.norm is not None else None
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            # A last stage without the embeddings keeps its own copy as the head (loaded from them).
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta, hidden=None, residual=None):
-        return self.model(input_ids, positions, meta, hidden, residual)
+    def forward(self, input_ids, positions, meta):
+        return self.model(input_ids, positions, meta)
 
     def final_hidden(self, hidden, residual):
-        """The last layer's output after the final norm (hidden states fed to the LM head)."""
+        """The last layer's output after the final norm (hidden states fed to the LM head).
+        Before the last pipeline stage there is no norm: the hidden states pass through."""
+        if self.model.norm is None:
+            return hidden
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            # Not the last stage: logits of the right shape and no contents; rank 0 receives the
+            # real ones from the last stage into a buffer of this shape (engine.parallel.pipeline).
+            return hidden.new_empty(()).expand(hidden.shape[0], self.config.vocab_size)
         return self.lm_head(hidden)
 
     def layers(self):
