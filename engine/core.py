@@ -9,8 +9,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.loader import resolve_model
-from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.executor import make_runner
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
@@ -40,6 +40,18 @@ class _Group:
         return all(s is not None and s.is_finished for s in self.streams)
 
 
+def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt the engine can take (also checked up front by the data-parallel front)."""
+    if not ids:
+        raise ValueError("prompt is empty: give at least one token")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
+            "which must leave room for at least one generated token: shorten the prompt")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -47,7 +59,8 @@ class EngineCore:
         self.tokenizer = source.tokenizer
         self.model_name = source.name
         self.eos_token_ids = source.eos_token_ids
-        self.runner = ModelRunner(config, source)
+        # One process: a ModelRunner. tensor/pipeline parallel: rank 0's executor, same interface.
+        self.runner = make_runner(config, source)
         self.vocab_size = source.hf_config.vocab_size
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = self.runner.max_model_len
@@ -81,14 +94,7 @@ class EngineCore:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the context window (max_model_len) is {self.max_model_len}, "
-                "which must leave room for at least one generated token: shorten the prompt")
+        check_prompt(ids, self.vocab_size, self.max_model_len)
         p = sampling_params
         group = _Group(request_id, prompt, ids, p, [None] * p.n,
                        [IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop,
@@ -227,6 +233,20 @@ class EngineCore:
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, choices, group.finished,
                              prompt_logprobs=group.prompt_logprobs, num_cached_tokens=group.num_cached_tokens)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raises if the engine cannot step any more (a parallel worker process died)."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel runner; a local runner has nothing to stop."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- introspection ----------------------------------------------------------------------------
 

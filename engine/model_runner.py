@@ -4,6 +4,7 @@ tensors, runs one forward pass over it, and returns the logits to sample from.""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
+from engine.parallel.state import min_over_ranks, pp_state, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -83,7 +85,8 @@ class ModelRunner:
             logger.warning("limiting max_model_len to the model's sliding window (%d tokens)", window)
             self.max_model_len = window
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(hf.model_type)(hf, max_positions=model_len)
+            # A pipeline stage builds (and loads) only its own layers; one process builds all.
+            self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
         self.model.eval()
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
@@ -93,9 +96,9 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        from engine.parallel.state import tp_state
-
-        return kv_bytes_per_token(self.spec, self.kv_dtype.itemsize, tp=tp_state().size)
+        """On this rank: its TP share of the KV heads, for the layers of its pipeline stage."""
+        stage = dataclasses.replace(self.spec, num_layers=len(self.model.layers()))
+        return kv_bytes_per_token(stage, self.kv_dtype.itemsize, tp=tp_state().size)
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit the memory budget (the same functions `engine plan serve` uses)."""
@@ -111,7 +114,8 @@ class ModelRunner:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens at "
                 f"{self.kv_bytes_per_token()} bytes per token: raise kv_cache_memory or gpu_memory_utilization")
-        return tokens // self.block_size
+        # Every rank of a parallel replica shares one block table: keep what fits on all of them.
+        return min_over_ranks(tokens // self.block_size)
 
     def _profile_peak_bytes(self) -> int:
         """Peak memory of weights plus one forward over a full token budget (CUDA only), not

@@ -94,7 +94,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
         self.hidden_size = cfg.hidden_size
-        self.dtype = torch.get_default_dtype()  # what the previous stage sends (the runner builds under its dtype)
+        self.dtype = torch.get_default_dtype()  # the model's (the runner builds it under its dtype)
         first, last = self.start_layer == 0, self.end_layer == cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(self.start_layer, self.end_layer)})
@@ -107,7 +107,7 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
-        rope = self.rotary(positions, self.norm.weight.dtype)
+        rope = self.rotary(positions, self.dtype)  # not norm.weight's: only the last stage has the norm
         for layer in self.layers.values():
             hidden, residual = layer(rope, hidden, residual, meta)
         if self.norm is None:

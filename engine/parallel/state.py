@@ -1,7 +1,9 @@
-"""Which tensor-parallel rank this process is. Single-process defaults: rank 0 of 1.
+"""Which tensor-parallel rank and pipeline stage this process is. Single-process defaults: rank 0
+of 1, stage 0 of 1 owning every layer.
 
-The parallel issue sets these when it builds process groups; layers read them at construction
-so each rank builds (and loads) only its shard.
+`engine.parallel.groups` sets these when it builds the process groups; layers read them at
+construction so each rank builds (and loads) only its shard, and the model reads the stage to
+know whether it embeds, receives activations, sends them on, or computes logits.
 """
 
 from __future__ import annotations
@@ -16,16 +18,58 @@ class TensorParallelState:
     group: object | None = None  # torch.distributed ProcessGroup when size > 1
 
 
+@dataclass
+class PipelineParallelState:
+    rank: int = 0  # this stage
+    size: int = 1
+    layer_range: tuple[int, int] | None = None  # None: every layer (single stage)
+    prev_rank: int | None = None  # global rank of the previous stage's process with our TP rank
+    next_rank: int | None = None
+    group: object | None = None  # group for stage-to-stage send/recv (the device group)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+@dataclass
+class WorldState:
+    """Every process of one engine replica (TP x PP ranks)."""
+
+    rank: int = 0
+    size: int = 1
+    cpu_group: object | None = None  # gloo group over the replica, for small CPU-side agreements
+
+
 _tp = TensorParallelState()
+_pp = PipelineParallelState()
+_world = WorldState()
 
 
 def tp_state() -> TensorParallelState:
     return _tp
 
 
-def set_tp_state(rank: int, size: int, group=None) -> None:
-    global _tp
-    _tp = TensorParallelState(rank, size, group)
+def pp_state() -> PipelineParallelState:
+    return _pp
+
+
+def world_state() -> WorldState:
+    return _world
+
+
+def set_parallel_state(tp: TensorParallelState, pp: PipelineParallelState, world: WorldState) -> None:
+    global _tp, _pp, _world
+    _tp, _pp, _world = tp, pp, world
+
+
+def reset_parallel_state() -> None:
+    """Back to single-process defaults (after a parallel engine shuts down)."""
+    set_parallel_state(TensorParallelState(), PipelineParallelState(), WorldState())
 
 
 def tp_all_reduce(x):
@@ -47,3 +91,16 @@ def tp_all_gather_last_dim(x):
     parts = [torch.empty_like(x) for _ in range(_tp.size)]
     dist.all_gather(parts, x.contiguous(), group=_tp.group)
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's value, e.g. the KV blocks that fit on every rank of a replica
+    (ranks hold different layers and profile different peaks, but share one block table)."""
+    if _world.size == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_world.cpu_group)
+    return int(t.item())

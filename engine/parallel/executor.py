@@ -1,0 +1,209 @@
+"""Rank 0 of a TP x PP replica: what EngineCore steps instead of a local ModelRunner.
+
+Rank 0 keeps the scheduler, the KV block accounting and the sampler; it is also stage 0's TP
+rank 0 and computes its own share. Each step it splits the scheduled batch into micro-batches
+(one per pipeline stage), broadcasts them to every rank on the control group, runs stage 0 on
+each micro-batch in turn (its sends do not wait), and, with pipeline stages, then receives each
+micro-batch's logits from the last stage. Followers run the same ModelRunner on the same inputs
+(engine.parallel.worker), so every rank builds identical batch tensors and block tables.
+
+On one node rank 0 starts the other ranks itself (engine.parallel.procs); under torchrun they
+are started by torchrun (`python -m engine.parallel.launch`) and rank 0 only joins them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.model_runner import ModelRunner, StepLogits, resolve_device
+from engine.parallel import pipeline
+from engine.parallel.groups import destroy_distributed, init_distributed
+from engine.parallel.layout import ParallelLayout, check_layout, launched_by_torchrun
+from engine.parallel.procs import ChildProcesses, WorkerDiedError
+from engine.parallel.state import reset_parallel_state
+from engine.parallel.step import REPORT, STOP, StepMessage
+from engine.parallel.worker import rank_report, worker_main
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+MICRO_BATCHES_ENV = "PAGEWISE_PP_MICRO_BATCHES"  # default: one per pipeline stage; 1 turns overlap off
+
+
+def make_runner(config, source):
+    """A local ModelRunner for one process, else rank 0's ParallelExecutor."""
+    if config.data_parallel_size > 1:
+        raise ValueError("EngineCore runs one replica; data_parallel_size > 1 needs LLM(...) or `engine serve`, "
+                         "which start the replicas (engine.parallel.data_parallel)")
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not launched_by_torchrun():
+        return ModelRunner(config, source)
+    layout = check_layout(config, source.hf_config)
+    return ParallelExecutor(config, source, layout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ParallelExecutor:
+    def __init__(self, config, source, layout: ParallelLayout):
+        self.layout = layout
+        self.children: ChildProcesses | None = None
+        self._dead: str | None = None
+        self._closed = False
+        self._copies: list[tuple[int, int]] = []
+        self.num_micro_batches = int(os.environ.get(MICRO_BATCHES_ENV, layout.pp)) if layout.pp > 1 else 1
+        if launched_by_torchrun():
+            if int(os.environ["RANK"]) != 0:
+                raise RuntimeError("under torchrun, ranks other than 0 run `python -m engine.parallel.launch`")
+            init_method, local_rank = "env://", int(os.environ["LOCAL_RANK"])
+        else:
+            init_method, local_rank = f"tcp://127.0.0.1:{_free_port()}", 0
+            self.children = ChildProcesses()
+            for rank in range(1, layout.world_size):
+                self.children.start(f"pagewise-rank{rank}", worker_main, rank, layout, config, init_method, rank)
+        try:
+            self.control = init_distributed(layout, 0, resolve_device(config.device), init_method, local_rank)
+            pipeline.clock = pipeline.StageClock()
+            self.runner = ModelRunner(config, source)
+        except BaseException as e:
+            culprit = self.children.failure(wait_s=2.0) if self.children and isinstance(e, RuntimeError) else None
+            self._dead = f"start-up failed: {e}"
+            self.shutdown()
+            if culprit:
+                raise WorkerDiedError(f"a worker failed while starting: {culprit}") from e
+            raise
+        atexit.register(self.shutdown)
+        logger.info("parallel engine: %d ranks (tensor_parallel_size %d x pipeline_parallel_size %d), layers per "
+                    "stage %s, %d micro-batches per step", layout.world_size, layout.tp, layout.pp,
+                    [b - a for a, b in layout.layer_ranges], self.num_micro_batches)
+
+    # ---- the ModelRunner face EngineCore uses ----------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_dtype
+
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy now on rank 0; the other ranks copy before the next step (nothing reads the
+        blocks in between)."""
+        if pairs:
+            self.runner.copy_blocks(pairs)
+            self._copies += pairs
+
+    def execute_model(self, batch: SchedulerOutput) -> StepLogits:
+        self.check_health()
+        start = time.perf_counter()
+        micro = pipeline.split_micro_batches(batch.scheduled, self.num_micro_batches)
+        try:
+            self._broadcast(StepMessage.step(micro, self._copies))
+            self._copies = []
+            outs = []
+            for scheduled in micro:
+                t = time.perf_counter()
+                outs.append(self.runner.execute_model(SchedulerOutput(scheduled=scheduled)))
+                pipeline.clock.compute_s += time.perf_counter() - t
+            if self.layout.pp > 1:
+                for out in outs:
+                    pipeline.recv_logits(out, src=self.layout.last_stage_leader)
+            pipeline.wait_sends()
+        except RuntimeError as e:  # torch.distributed errors (DistBackendError included)
+            raise self._failed(e) from e
+        pipeline.clock.steps += 1
+        pipeline.clock.step_s += time.perf_counter() - start
+        return _merge(outs)
+
+    # ---- health, reports, shutdown ---------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._dead is None and self.children is not None and self.children.failure():
+            self._dead = f"tensor/pipeline-parallel worker {self.children.failure()}"
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def _failed(self, error: BaseException) -> WorkerDiedError:
+        # A dead peer closes its sockets a moment before its exit is reaped: give the monitor
+        # that moment, so the error names the process rather than a socket.
+        culprit = self.children.failure(wait_s=2.0) if self.children is not None else None
+        self._dead = (f"tensor/pipeline-parallel worker {culprit}" if culprit
+                      else f"a collective with the other ranks failed: {error}")
+        logger.error("%s", self._dead)
+        return WorkerDiedError(self._dead)
+
+    def rank_reports(self) -> list[dict]:
+        """Every rank's measured memory and step timing (engine.parallel.worker.rank_report), by rank."""
+        self.check_health()
+        reports = [None] * self.layout.world_size
+        try:
+            self._broadcast(StepMessage(REPORT))
+            dist.gather_object(rank_report(self.runner), reports, dst=0, group=self.control)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        return reports
+
+    def _broadcast(self, msg: StepMessage) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.control)
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to leave, make sure they have, and leave the process groups."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        stopped = True
+        if self._dead is None and dist.is_initialized():
+            # On its own thread: a follower that hangs must not hang shutdown with it.
+            sender = threading.Thread(target=self._broadcast, args=(StepMessage(STOP),), daemon=True)
+            sender.start()
+            sender.join(5.0)
+            stopped = not sender.is_alive()
+        if self.children is not None:
+            self.children.stop(timeout=10.0 if stopped else 0.0)
+        if stopped:
+            destroy_distributed()
+        else:
+            logger.warning("a rank did not take the stop message; its process group is left as is")
+            reset_parallel_state()
+
+
+def _merge(outs: list[StepLogits]) -> StepLogits:
+    """One StepLogits for the whole batch, rows in scheduling order (micro-batches are contiguous)."""
+    if len(outs) == 1:
+        return outs[0]
+    sample = [o.sample_logits for o in outs if o.sample_logits is not None]
+    return StepLogits([r for o in outs for r in o.sample_reqs], torch.cat(sample) if sample else None,
+                      [p for o in outs for p in o.prompt_logits])
+
+
+def pipeline_bubble(reports: list[dict], pp: int) -> float:
+    """The fraction of the steps' wall time (on rank 0) that the stages sat idle, measured: one
+    minus the stages' summed busy time (compute minus waiting for activations, on each stage's
+    TP rank 0) over pp x rank 0's step time."""
+    leaders = [r for r in reports if r["tp_rank"] == 0]
+    wall = reports[0]["step_s"]
+    return 1.0 - sum(r["busy_s"] for r in leaders) / (pp * wall) if wall else 0.0
