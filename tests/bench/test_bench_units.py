@@ -239,3 +239,20 @@ def test_serve_level_and_server_lists():
     for bad, fn in (("0", _levels), ("a", _levels), ("sglang", _servers)):
         with pytest.raises(argparse.ArgumentTypeError):
             fn(bad)
+
+
+def test_random_model_builds_a_loadable_llama(tmp_path, monkeypatch):
+    import transformers
+
+    from engine.bench import random_model
+    from tests.tiny_model import build_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer().save_pretrained(tok_dir)
+    monkeypatch.setitem(random_model.PRESETS, "toy", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                          num_attention_heads=2, num_key_value_heads=1))
+    path = random_model.build_random_llama(str(tmp_path / "m"), "toy", tokenizer=str(tok_dir), dtype="bfloat16")
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    assert (cfg.head_dim, cfg.vocab_size, cfg.num_key_value_heads) == (32, len(build_tokenizer()), 1)
+    assert transformers.AutoTokenizer.from_pretrained(path).eos_token_id == cfg.eos_token_id
+    assert not (tmp_path / "m" / "generation_config.json").exists()
