@@ -42,10 +42,21 @@ def warn_if_busy() -> None:
               "timings will be noisy; compare backends only within one run", file=sys.stderr)
 
 
+def _strict(obj):
+    """inf / nan are not JSON: write them as strings ("inf"), so any parser reads the file."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, default=str)
+        json.dump(_strict(report), f, indent=2, default=str, allow_nan=False)
     print(f"wrote {path}")
 
 

@@ -256,3 +256,11 @@ def test_random_model_builds_a_loadable_llama(tmp_path, monkeypatch):
     assert (cfg.head_dim, cfg.vocab_size, cfg.num_key_value_heads) == (32, len(build_tokenizer()), 1)
     assert transformers.AutoTokenizer.from_pretrained(path).eos_token_id == cfg.eos_token_id
     assert not (tmp_path / "m" / "generation_config.json").exists()
+
+
+def test_report_json_is_strict(tmp_path):
+    from engine.bench.report import write_json
+
+    write_json(str(tmp_path / "r.json"), {"rate": float("inf"), "xs": [1.5, float("nan")], "n": 3})
+    text = (tmp_path / "r.json").read_text()
+    assert json.loads(text) == {"rate": "inf", "xs": [1.5, "nan"], "n": 3} and "Infinity" not in text
