@@ -147,13 +147,21 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive() and not self._stop
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
 
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
-        if not self.is_healthy:
+        if self._thread is None or not self._thread.is_alive() or self._stop:
             raise EngineDeadError("engine is not running")
+        try:  # a parallel core's worker or replica process may die while the loop idles
+            getattr(self._core, "check_health", lambda: None)()
+        except Exception as e:
+            raise EngineDeadError(str(e)) from e
 
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -263,6 +271,8 @@ class AsyncEngine:
             logger.exception("engine loop died; failing all pending requests")
             self._dead = e
             self._post(lambda e=e: self._fail_all(e))
+        finally:  # a parallel core's worker or replica processes end with the loop, however it ended
+            getattr(core, "shutdown", lambda: None)()
 
     def _apply_commands(self, core) -> None:
         rejected = []

@@ -18,9 +18,24 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **config):
         self.config = EngineConfig(model=model, **config)
-        self.engine = EngineCore(self.config)
+        if self.config.data_parallel_size > 1:  # replicas in their own processes, behind the same core API
+            from engine.parallel.data_parallel import DataParallelCore
+
+            self.engine = DataParallelCore(self.config)
+        else:
+            self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker or replica processes (none for one process). Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

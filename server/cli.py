@@ -49,6 +49,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
+    from engine.parallel.data_parallel import DataParallelCore
     from server.app import build_app
 
     log_level = getattr(args, "log_level", "INFO")  # a top-level flag of `engine` and of main() below
@@ -58,7 +59,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"engine serve: error: {e}", file=sys.stderr)
         return 2
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, core_factory=DataParallelCore if config.data_parallel_size > 1 else None)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level.lower(),

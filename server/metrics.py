@@ -38,6 +38,7 @@ COUNTERS = {
     "prefix_cache_hits": ("pagewise:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("pagewise:num_preemptions", "Requests preempted (blocks ran out; recomputed later)."),
     "num_requests_rejected": ("pagewise:requests_rejected", "Requests refused by admission control (HTTP 503)."),
+    "num_requests_routed": ("pagewise:requests_routed", "Requests routed to each data-parallel replica."),
 }
 
 
@@ -47,16 +48,19 @@ class _EngineCollector:
 
     def collect(self):
         stats = self.engine.stats()
-        for key, (name, doc) in GAUGES.items():
-            if key in stats:
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self.model_name], float(stats[key]))
-                yield family
-        for key, (name, doc) in COUNTERS.items():
-            if key in stats:
-                family = CounterMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self.model_name], float(stats[key]))
-                yield family
+        # Data parallel: a metric each replica reports is one sample per replica, labelled `replica`.
+        replicas = stats.get("replicas") or []
+        for table, kind in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for key, (name, doc) in table.items():
+                if replicas and key in replicas[0]:
+                    family = kind(name, doc, labels=["model_name", "replica"])
+                    for i, replica in enumerate(replicas):
+                        family.add_metric([self.model_name, str(i)], float(replica[key]))
+                    yield family
+                elif key in stats:
+                    family = kind(name, doc, labels=["model_name"])
+                    family.add_metric([self.model_name], float(stats[key]))
+                    yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,192 @@
+"""Data parallel: data_parallel_size whole engine replicas (each may itself be TP x PP) in their
+own processes, behind EngineCore's interface, so that AsyncEngine (the server) and LLM drive
+them exactly as they drive one core:
+
+    AsyncEngine(config, core_factory=DataParallelCore)   # what `engine serve` does when dp > 1
+
+The front validates each prompt (the same check_prompt as EngineCore), routes it (Router: least
+loaded, with prefix affinity), sends it down the replica's pipe, and gathers every replica's
+outputs and stats as they come. Replicas share nothing, so they need no process group; they
+live on this node. A replica that dies, or whose step fails, stops the whole front with a
+WorkerDiedError that names it: the server then answers 503 on /health and fails what was pending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+
+from engine.core import check_prompt
+from engine.loader import resolve_model
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.layout import check_layout
+from engine.parallel.procs import ChildProcesses, WorkerDiedError
+from engine.parallel.replica import replica_main
+from engine.parallel.router import Router
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.005  # longest a step() waits for replica outputs before the caller gets control back
+START_TIMEOUT_S = 600.0
+# Stats that are not sums over replicas: recomputed from their parts.
+_RATIOS = {"kv_cache_usage": ("num_used_blocks", "num_total_blocks"),
+           "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries")}
+
+
+class DataParallelCore:
+    def __init__(self, config):
+        source = resolve_model(config.model, config.tokenizer)  # config and tokenizer only: replicas load weights
+        layout = check_layout(config, source.hf_config)
+        self.tokenizer, self.model_name, self.eos_token_ids = source.tokenizer, source.name, source.eos_token_ids
+        self.vocab_size = source.hf_config.vocab_size
+        n = config.data_parallel_size
+        self.children = ChildProcesses()
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self._dead: str | None = None
+        try:
+            gpus = _gpu_slices(config, n, layout.world_size)
+            replica_config = dataclasses.replace(config, data_parallel_size=1)
+            for i in range(n):
+                ours, theirs = multiprocessing.Pipe()
+                self.children.start(f"pagewise-replica{i}", replica_main, i, replica_config, theirs.fileno(), gpus[i],
+                                    pass_fds=(theirs.fileno(),))
+                theirs.close()
+                self.conns.append(ours)
+            ready = [self._wait_ready(i) for i in range(n)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = min(r[1] for r in ready)
+        self.replica_stats = [r[2] for r in ready]
+        self.router = Router(n, config.block_size)
+        self.owner: dict[str, int] = {}  # unfinished request -> its replica
+        logger.info("data parallel: %d replicas of %d rank(s) each", n, layout.world_size)
+
+    def _wait_ready(self, i: int) -> tuple:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.conns[i].poll(0.1):
+            self.children.check()
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"data-parallel replica {i} did not start in {START_TIMEOUT_S:.0f}s")
+        msg = self._recv(i)
+        assert msg[0] == "ready", msg
+        return msg
+
+    # ---- EngineCore's interface ------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, prompt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.owner:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        check_prompt(ids, self.vocab_size, self.max_model_len)
+        self.check_health()
+        replica = self.router.choose(ids)
+        self.owner[request_id] = replica
+        self._send(replica, ("add", request_id, ids, sampling_params, prompt, arrival_time))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Each replica reports its aborted requests once more, finished with reason "abort"."""
+        by_replica: dict[int, list[str]] = {}
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if rid in self.owner:
+                by_replica.setdefault(self.owner[rid], []).append(rid)
+        for replica, ids in by_replica.items():
+            self._send(replica, ("abort", ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.owner)
+
+    def step(self) -> list[RequestOutput]:
+        """Whatever the replicas have finished since the last call, waiting at most POLL_S for some."""
+        self.check_health()
+        outputs = []
+        for conn in multiprocessing.connection.wait(self.conns, timeout=POLL_S):
+            i = self.conns.index(conn)
+            while conn.poll():
+                outputs += self._handle(i, self._recv(i))
+        return outputs
+
+    def _handle(self, i: int, msg: tuple) -> list[RequestOutput]:
+        kind = msg[0]
+        if kind == "error":
+            self._dead = f"data-parallel replica {i} failed: {msg[1]}"
+            raise WorkerDiedError(self._dead)
+        if kind == "rejected":
+            _, rid, message = msg
+            logger.error("replica %d could not take request %s: %s", i, rid, message)
+            msg = ("step", [RequestOutput(rid, None, [], [CompletionOutput(0, "", [], finish_reason="abort")],
+                                          finished=True, error=message)], self.replica_stats[i])
+        _, outputs, stats = msg
+        self.replica_stats[i] = stats
+        for out in outputs:
+            if out.finished and self.owner.pop(out.request_id, None) is not None:
+                self.router.finished(i)
+        return outputs
+
+    # ---- pipes -----------------------------------------------------------------------------
+
+    def _send(self, i: int, msg: tuple) -> None:
+        try:
+            self.conns[i].send(msg)
+        except OSError as e:
+            raise self._lost(i, e) from e
+
+    def _recv(self, i: int) -> tuple:
+        try:
+            return self.conns[i].recv()
+        except (EOFError, OSError) as e:
+            raise self._lost(i, e) from e
+
+    def _lost(self, i: int, error: BaseException) -> WorkerDiedError:
+        culprit = self.children.failure(wait_s=2.0)
+        self._dead = f"data-parallel replica {i} is gone: {culprit or type(error).__name__}"
+        return WorkerDiedError(self._dead)
+
+    # ---- health, stats, shutdown -------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._dead is None and self.children.failure():
+            self._dead = f"data-parallel {self.children.failure()}"
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    def stats(self) -> dict:
+        """Sums over the replicas (ratios recomputed from their parts), and each replica's own
+        stats under "replicas" (with the requests routed to it), for per-replica metrics."""
+        replicas = [dict(s, num_requests_routed=self.router.routed[i], healthy=self._dead is None)
+                    for i, s in enumerate(self.replica_stats)]
+        keys = {k for s in self.replica_stats for k, v in s.items() if isinstance(v, (int, float))}
+        total = {k: sum(s.get(k, 0) for s in self.replica_stats) for k in keys - _RATIOS.keys()}
+        for key, (part, whole) in _RATIOS.items():
+            total[key] = total.get(part, 0) / total[whole] if total.get(whole) else 0.0
+        total["num_prefix_affinity_routes"] = self.router.affinity_hits
+        total["replicas"] = replicas
+        return total
+
+    def shutdown(self) -> None:
+        """Stop every replica (each stops its own workers); idempotent."""
+        for i in range(len(self.conns)):
+            try:
+                self.conns[i].send(("stop",))
+            except OSError:
+                pass  # already gone
+        self.children.stop(timeout=15.0)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+
+def _gpu_slices(config, n: int, per_replica: int) -> list[list[str] | None]:
+    """The CUDA devices each replica may see (its own tp x pp of them), or None each on CPU."""
+    import torch
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return [None] * n
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return [ids[i * per_replica:(i + 1) * per_replica] for i in range(n)]

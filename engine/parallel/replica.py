@@ -1,0 +1,57 @@
+"""One data-parallel replica: a whole EngineCore (itself maybe TP x PP) in its own process,
+stepped by commands from the front (engine.parallel.data_parallel) over a pipe.
+
+Front -> replica: ("add", request_id, prompt_token_ids, sampling_params, prompt, arrival_time),
+("abort", [request_ids]), ("stop",). Replica -> front: ("ready", max_model_len, stats) once, then
+("step", outputs, stats) after every step, ("rejected", request_id, message) for a request its
+core refused, and ("error", message) just before it dies of a failed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+def replica_main(index: int, config, fd: int, gpus: list[str] | None) -> None:
+    if gpus is not None:  # before anything touches CUDA: this replica sees only its own GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    from engine.core import EngineCore
+
+    conn = Connection(fd)
+    core = EngineCore(config)
+    try:
+        conn.send(("ready", core.max_model_len, core.stats()))
+        logger.info("data-parallel replica %d ready", index)
+        serve(core, conn)
+    finally:
+        core.shutdown()
+
+
+def serve(core, conn: Connection) -> None:
+    while True:
+        if not core.has_unfinished_requests():
+            conn.poll(None)  # idle: sleep until the front sends something
+        while conn.poll():
+            msg = conn.recv()
+            if msg[0] == "stop":
+                return
+            if msg[0] == "abort":
+                core.abort_request(msg[1])
+                continue
+            _, request_id, ids, params, prompt, arrival_time = msg
+            try:
+                core.add_request(request_id, ids, params, prompt=prompt, arrival_time=arrival_time)
+            except Exception as e:  # the front validated the prompt: this is unexpected, but only this request's
+                logger.exception("add_request failed for request %s", request_id)
+                conn.send(("rejected", request_id, f"{type(e).__name__}: {e}"))
+        if core.has_unfinished_requests():
+            try:
+                outputs = core.step()
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+                raise
+            conn.send(("step", outputs, core.stats()))
