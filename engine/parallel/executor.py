@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from engine.model_runner import ModelRunner, StepLogits, resolve_device
 from engine.parallel import pipeline
-from engine.parallel.groups import destroy_distributed, init_distributed
+from engine.parallel.groups import TIMEOUT_ENV, collective_timeout, destroy_distributed, init_distributed
 from engine.parallel.layout import ParallelLayout, check_layout, launched_by_torchrun
 from engine.parallel.procs import ChildProcesses, WorkerDiedError
 from engine.parallel.state import reset_parallel_state
@@ -150,8 +150,9 @@ class ParallelExecutor:
         # A dead peer closes its sockets a moment before its exit is reaped: give the monitor
         # that moment, so the error names the process rather than a socket.
         culprit = self.children.failure(wait_s=2.0) if self.children is not None else None
-        self._dead = (f"tensor/pipeline-parallel worker {culprit}" if culprit
-                      else f"a collective with the other ranks failed: {error}")
+        self._dead = (f"tensor/pipeline-parallel worker {culprit}" if culprit else
+                      "a collective with the other ranks failed (a rank died, or hung past "
+                      f"{TIMEOUT_ENV}={collective_timeout().total_seconds():g}s): {error}")
         logger.error("%s", self._dead)
         return WorkerDiedError(self._dead)
 
@@ -183,7 +184,8 @@ class ParallelExecutor:
             sender.join(5.0)
             stopped = not sender.is_alive()
         if self.children is not None:
-            self.children.stop(timeout=10.0 if stopped else 0.0)
+            # After a failure the survivors may wait on a collective forever: cut them loose at once.
+            self.children.stop(timeout=10.0 if stopped and self._dead is None else 0.0)
         if stopped:
             destroy_distributed()
         else:

@@ -1,16 +1,18 @@
 """torch.distributed for one replica: the process groups, and the parallel state that layers and
 the model read.
 
-- the default group carries tensors: NCCL on CUDA, gloo on CPU (stage-to-stage activations,
-  logits to rank 0, and the TP collectives through one subgroup per stage);
+- the default group (NCCL on CUDA, gloo on CPU) only meets the ranks, with a start-up timeout
+  long enough for every rank to import and load its shard;
+- `device`, same backend, all ranks: stage-to-stage activations and logits to rank 0; and one
+  TP subgroup per stage for the all-reduces and gathers;
 - `control`, a gloo group on which rank 0 broadcasts each step's inputs. Followers wait on it
   for as long as the server idles, so it alone has no practical timeout: a dead rank 0 still
   surfaces at once (its connections close), and spawned followers also exit with their parent;
 - `cpu`, a gloo group for small agreements at start-up (how many KV blocks fit everywhere).
 
-Every other wait is bounded by PAGEWISE_DIST_TIMEOUT_S (default 60 s): a peer that hangs mid-step
-becomes an error, not a silent stall. A peer that dies closes its connections, and gloo raises
-within milliseconds.
+Waits within a step are bounded by PAGEWISE_DIST_TIMEOUT_S (default 60 s): a peer that hangs
+mid-step becomes an error, not a silent stall. A peer that dies closes its connections, and
+gloo raises within milliseconds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.parallel.state import (PipelineParallelState, TensorParallelState, W
                                    set_parallel_state)
 
 TIMEOUT_ENV = "PAGEWISE_DIST_TIMEOUT_S"
+START_TIMEOUT = datetime.timedelta(minutes=10)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -39,9 +42,10 @@ def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, in
         torch.cuda.set_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
-                            timeout=collective_timeout())
+                            timeout=START_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    cpu = dist.new_group(backend="gloo", timeout=collective_timeout())
+    cpu = dist.new_group(backend="gloo", timeout=START_TIMEOUT)
+    device = dist.new_group(timeout=collective_timeout())
     stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
     tp_group = None
     for s in range(layout.pp):  # every rank takes part in creating every group
@@ -52,7 +56,7 @@ def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, in
         rank=stage, size=layout.pp, layer_range=layout.layer_ranges[stage],
         prev_rank=layout.rank(stage - 1, tp_rank) if stage > 0 else None,
         next_rank=layout.rank(stage + 1, tp_rank) if stage < layout.pp - 1 else None,
-        group=dist.group.WORLD)
+        group=device)
     set_parallel_state(TensorParallelState(tp_rank, layout.tp, tp_group), pp,
                        WorldState(rank, layout.world_size, cpu))
     return control

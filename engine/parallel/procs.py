@@ -49,12 +49,12 @@ class ChildProcesses:
         self._failed = threading.Event()
         self._closing = False
 
-    def start(self, name: str, target, *args, pass_fds: tuple[int, ...] = (), env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, target, *args, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         """Run `target(*args)` (a module-level function; args picklable) in a new process, which
-        inherits the file descriptors `pass_fds` under the same numbers, and `env` on top of ours."""
+        inherits the file descriptors `pass_fds` under the same numbers."""
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.procs"], stdin=subprocess.PIPE,
-                                env={**os.environ, "PYTHONPATH": path, **(env or {})}, pass_fds=pass_fds)
+                                env={**os.environ, "PYTHONPATH": path}, pass_fds=pass_fds)
         payload = pickle.dumps((name, target, args, logging.getLogger().getEffectiveLevel()))
         proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
         proc.stdin.flush()
