@@ -28,7 +28,7 @@ from engine.parallel import pipeline
 from engine.parallel.groups import TIMEOUT_ENV, collective_timeout, destroy_distributed, init_distributed
 from engine.parallel.layout import ParallelLayout, check_layout, launched_by_torchrun
 from engine.parallel.procs import ChildProcesses, WorkerDiedError
-from engine.parallel.state import reset_parallel_state
+from engine.parallel.state import reset_parallel_state, world_state
 from engine.parallel.step import REPORT, STOP, StepMessage
 from engine.parallel.worker import rank_report, worker_main
 from engine.scheduler import SchedulerOutput
@@ -43,6 +43,9 @@ def make_runner(config, source):
     if config.data_parallel_size > 1:
         raise ValueError("EngineCore runs one replica; data_parallel_size > 1 needs LLM(...) or `engine serve`, "
                          "which start the replicas (engine.parallel.data_parallel)")
+    if world_state().size > 1:  # layers read the process-wide parallel state as they are built
+        raise RuntimeError("a tensor/pipeline-parallel engine is already running in this process: shut it down "
+                           "(LLM.shutdown(), or leave its `with` block) before starting another engine")
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not launched_by_torchrun():
         return ModelRunner(config, source)
     layout = check_layout(config, source.hf_config)
