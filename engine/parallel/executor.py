@@ -77,7 +77,7 @@ class ParallelExecutor:
                 self.children.start(f"pagewise-rank{rank}", worker_main, rank, layout, config, init_method, rank)
         try:
             self.control = init_distributed(layout, 0, resolve_device(config.device), init_method, local_rank)
-            pipeline.clock = pipeline.StageClock()
+            pipeline.reset()
             self.runner = ModelRunner(config, source)
         except BaseException as e:
             culprit = self.children.failure(wait_s=2.0) if self.children and isinstance(e, RuntimeError) else None

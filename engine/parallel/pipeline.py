@@ -37,6 +37,14 @@ clock = StageClock()
 _sends: list[tuple[object, torch.Tensor]] = []  # in-flight isends; a tensor must outlive its send
 
 
+def reset() -> None:
+    """A fresh clock, and no sends left over from an engine that failed mid-step (their
+    process group is gone; waiting on them would fail the next engine)."""
+    global clock
+    clock = StageClock()
+    _sends.clear()
+
+
 def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
     """Hand this stage's output (hidden states and the residual stream) to the next stage."""
     pp = pp_state()
