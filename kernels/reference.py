@@ -45,7 +45,9 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None  # query rows of the one-token sequences
     decode_blocks: torch.Tensor | None  # [num_decodes * n_blocks] block ids, row-major
     decode_valid: torch.Tensor | None  # [num_decodes, 1, 1, n_blocks * block_size]: key slot inside the sequence
+    decode_invalid: torch.Tensor | None  # its negation, for an in-place fill
     decode_len: int
+    all_decode: bool  # every sequence decodes: query rows are 0..n-1, no row gather or scatter
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, last row + 1, seq_len, block ids)
 
 
@@ -60,14 +62,15 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
             n_blocks = -(-lens[i] // block_size)
             prefills.append((starts[i], starts[i + 1], lens[i], block_tables[i, :n_blocks].long()))
     if not decode:
-        return AttentionPlan(None, None, None, 0, prefills)
+        return AttentionPlan(None, None, None, None, 0, False, prefills)
     dev = block_tables.device
     idx = torch.tensor(decode, device=dev)
     n_blocks = -(-max(lens[i] for i in decode) // block_size)
     padded = n_blocks * block_size
     valid = torch.arange(padded, device=dev)[None, :] < seq_lens[idx].to(dev)[:, None]
     blocks = block_tables[idx, :n_blocks].clamp(min=0).long().flatten()
-    return AttentionPlan(query_start_loc[idx].long(), blocks, valid[:, None, None, :], padded, prefills)
+    valid = valid[:, None, None, :]
+    return AttentionPlan(query_start_loc[idx].long(), blocks, valid, ~valid, padded, not prefills, prefills)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -94,18 +97,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Contiguous K before the transpose: 16-bit CPU matmuls are ~4x slower on a strided operand.
         k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype).contiguous()
         v = _gather(v_cache, plan.decode_blocks, s).to(query.dtype)
-        q = query[plan.decode_rows].view(s, num_kv_heads, group, head_dim)
+        q = query if plan.all_decode else query[plan.decode_rows]
+        q = q.view(s, num_kv_heads, group, head_dim) * scale
         # Slots past a sequence's length hold another request's data (or a padding block's).
-        # `where`, not an additive mask, so a NaN key there scores -inf all the same.
-        valid = plan.decode_valid
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-        scores = torch.where(valid, scores, float("-inf"))
+        # A fill, not an additive mask, so a NaN key there scores -inf all the same.
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().masked_fill_(plan.decode_invalid, float("-inf"))
         probs = scores.softmax(dim=-1).to(query.dtype)
         o = torch.matmul(probs, v)
-        if not bool(torch.isfinite(o).all()):
+        if not bool(torch.isfinite(o.sum())):
             # A zero probability times a NaN value is NaN: zero the values outside each sequence
-            # and redo. Checked on the small output, so the common case pays nothing.
-            o = torch.matmul(probs, v.masked_fill(~valid.view(s, 1, -1, 1), 0))
+            # and redo. Checked by one reduction of the small output; the common case pays nothing.
+            o = torch.matmul(probs, v.masked_fill(~plan.decode_valid.view(s, 1, -1, 1), 0))
+        if plan.all_decode:
+            return o.view(s, num_heads, head_dim)
         out[plan.decode_rows] = o.view(s, num_heads, head_dim)
 
     # Prefill chunks: one sequence at a time, causal with the cached prefix in front.

@@ -14,9 +14,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel accumulates 16-bit inputs in float32, as transformers' LlamaRMSNorm
-        # does by upcasting; in float32 it is bit-identical to that module.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # 16-bit: statistics in float32 as transformers' LlamaRMSNorm computes them, but from one
+        # float32-accumulating reduction instead of an upcast copy of x (CPU's rms_norm makes two).
+        rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        inv = torch.rsqrt(rms.square_().div_(x.shape[-1]).add_(self.eps))
+        return self.weight * (x * inv).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
