@@ -140,8 +140,8 @@ class ModelRunner:
         for layer in self.model.layers():
             attn = layer.self_attn.attn
             shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.k_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device, backend=self.attn_backend)
+            attn.v_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device, backend=self.attn_backend)
             self.kv_caches += [attn.k_cache, attn.v_cache]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

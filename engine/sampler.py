@@ -69,14 +69,16 @@ class Sampler:
         return req.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        logits = logits.float()
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         edits = any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
                     or r.sampling_params.repetition_penalty != 1.0
                     or len(r.output_token_ids) < r.sampling_params.min_tokens for r in reqs)
-        if edits:
-            logits = logits.clone()  # penalties and masks edit rows in place; the caller's tensor stays intact
+        all_greedy = all(r.sampling_params.greedy for r in reqs)
+        if want_logprobs or edits or not all_greedy:
+            # float32 for everything but a plain argmax (which is exact on 16-bit logits too);
+            # a copy when editing, so penalties and masks never touch the caller's tensor.
+            logits = logits.to(torch.float32, copy=edits)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         tokens = [0] * len(reqs)
         greedy_rows = []
         for row, req in enumerate(reqs):
@@ -91,7 +93,8 @@ class Sampler:
             if p.greedy:
                 greedy_rows.append(row)
         if greedy_rows:
-            picks = logits[greedy_rows].argmax(dim=-1).tolist()
+            rows = logits if len(greedy_rows) == len(reqs) else logits[greedy_rows]
+            picks = rows.argmax(dim=-1).tolist()
             for row, tok in zip(greedy_rows, picks):
                 tokens[row] = tok
         for row, req in enumerate(reqs):

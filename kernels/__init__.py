@@ -81,6 +81,17 @@ def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, bac
     return None
 
 
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device,
+                      backend: str = "torch"):
+    """A zeroed cache of logical shape [num_blocks, block_size, num_kv_heads, head_dim]. Its memory
+    layout is the backend's choice: contiguous for Triton, head-major underneath for torch."""
+    if backend == "torch":
+        return reference.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    import torch
+
+    return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
 def copy_blocks(k_cache, v_cache, src, dst, backend: str = "torch") -> None:
     """Copy whole cache blocks src[i] -> dst[i] (copy-on-write of a shared partial block)."""
     _ops(backend).copy_blocks(k_cache, v_cache, src, dst)

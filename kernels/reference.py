@@ -25,16 +25,24 @@ import torch.nn.functional as F
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store each new token's key and value at its slot; slots < 0 are padding and skipped."""
-    block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    assert k_flat.shape[0] == k_cache.shape[0] * block_size
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        head_major = cache.permute(2, 0, 1, 3)
+        if head_major.is_contiguous():  # allocate_kv_cache's CPU layout: [heads, blocks * block_size, D]
+            head_major.view(cache.shape[2], -1, cache.shape[3]).index_copy_(1, slots, new.to(cache.dtype).transpose(0, 1))
+        else:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """A zeroed cache of logical shape [num_blocks, block_size, num_kv_heads, head_dim], stored
+    head-major ([heads, blocks, block_size, D]) underneath: a decode gather then comes out as
+    [heads, seqs, keys, D], the contiguous batch the matmuls want, with no permute copy."""
+    return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device).permute(1, 2, 0, 3)
 
 
 @dataclass
@@ -44,7 +52,7 @@ class AttentionPlan:
 
     decode_rows: torch.Tensor | None  # query rows of the one-token sequences
     decode_blocks: torch.Tensor | None  # [num_decodes * n_blocks] block ids, row-major
-    decode_valid: torch.Tensor | None  # [num_decodes, 1, 1, n_blocks * block_size]: key slot inside the sequence
+    decode_valid: torch.Tensor | None  # [num_decodes, 1, n_blocks * block_size]: key slot inside the sequence
     decode_invalid: torch.Tensor | None  # its negation, for an in-place fill
     decode_len: int
     all_decode: bool  # every sequence decodes: query rows are 0..n-1, no row gather or scatter
@@ -69,14 +77,17 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
     padded = n_blocks * block_size
     valid = torch.arange(padded, device=dev)[None, :] < seq_lens[idx].to(dev)[:, None]
     blocks = block_tables[idx, :n_blocks].clamp(min=0).long().flatten()
-    valid = valid[:, None, None, :]
+    valid = valid[:, None, :]
     return AttentionPlan(query_start_loc[idx].long(), blocks, valid, ~valid, padded, not prefills, prefills)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Flattened block ids -> [num_seqs, num_kv_heads, n_blocks * block_size, head_dim]."""
-    _, bs, h, d = cache.shape
-    return cache.index_select(0, blocks).view(num_seqs, -1, h, d).transpose(1, 2)
+    """Flattened block ids -> [num_kv_heads, num_seqs, n_blocks * block_size, head_dim], contiguous."""
+    _, _, h, d = cache.shape
+    head_major = cache.permute(2, 0, 1, 3)
+    if head_major.is_contiguous():
+        return head_major.index_select(1, blocks).view(h, num_seqs, -1, d)
+    return cache.index_select(0, blocks).view(num_seqs, -1, h, d).permute(2, 0, 1, 3).contiguous()
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,30 +105,31 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Decodes (one query each) as one padded batch, the common serving step. Grouped-query
         # heads share their KV head through a reshape, not a copy: q [S, Hkv, group, D].
         s = plan.decode_rows.numel()
-        # Contiguous K before the transpose: 16-bit CPU matmuls are ~4x slower on a strided operand.
-        k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype).contiguous()
+        # Batched over (KV head, sequence); a KV head's `group` query heads are the rows of one matmul.
+        k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype)  # [Hkv, S, L, D]
         v = _gather(v_cache, plan.decode_blocks, s).to(query.dtype)
         q = query if plan.all_decode else query[plan.decode_rows]
-        q = q.view(s, num_kv_heads, group, head_dim) * scale
+        q = (q.view(s, num_kv_heads, group, head_dim) * scale).transpose(0, 1).contiguous()  # [Hkv, S, G, D]
         # Slots past a sequence's length hold another request's data (or a padding block's).
         # A fill, not an additive mask, so a NaN key there scores -inf all the same.
         scores = torch.matmul(q, k.transpose(-1, -2)).float().masked_fill_(plan.decode_invalid, float("-inf"))
         probs = scores.softmax(dim=-1).to(query.dtype)
-        o = torch.matmul(probs, v)
+        o = torch.matmul(probs, v)  # [Hkv, S, G, D]
         if not bool(torch.isfinite(o.sum())):
             # A zero probability times a NaN value is NaN: zero the values outside each sequence
             # and redo. Checked by one reduction of the small output; the common case pays nothing.
-            o = torch.matmul(probs, v.masked_fill(~plan.decode_valid.view(s, 1, -1, 1), 0))
+            o = torch.matmul(probs, v.masked_fill(plan.decode_invalid.transpose(1, 2), 0))
+        o = o.transpose(0, 1).reshape(s, num_heads, head_dim)
         if plan.all_decode:
-            return o.view(s, num_heads, head_dim)
-        out[plan.decode_rows] = o.view(s, num_heads, head_dim)
+            return o
+        out[plan.decode_rows] = o
 
     # Prefill chunks: one sequence at a time, causal with the cached prefix in front.
     gqa = group != 1
     for first, last, seq_len, blocks in plan.prefills:
         q_len = last - first
-        k = _gather(k_cache, blocks, 1)[:, :, :seq_len].to(query.dtype)
-        v = _gather(v_cache, blocks, 1)[:, :, :seq_len].to(query.dtype)
+        k = _gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)  # [1, Hkv, L, D]
+        v = _gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)
         q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
