@@ -27,14 +27,6 @@ class PipelineParallelState:
     next_rank: int | None = None
     group: object | None = None  # group for stage-to-stage send/recv (the device group)
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
-
 
 @dataclass
 class WorldState:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from tests.parallel.helpers import live_descendants
 from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture
+def new_processes():
+    """The live processes below this one that appeared since the test began (other suites'
+    session fixtures, a server for one, may be running too): call it to list them."""
+    before = set(live_descendants())
+    return lambda: sorted(set(live_descendants()) - before)
 
 
 @pytest.fixture(scope="session")

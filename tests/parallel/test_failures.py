@@ -17,7 +17,7 @@ import pytest
 from engine.llm import LLM
 from engine.parallel.procs import ChildProcesses, WorkerDiedError
 from engine.sampling_params import SamplingParams
-from tests.parallel.helpers import ENGINE_ARGS, PROMPTS, live_descendants, pid_alive
+from tests.parallel.helpers import ENGINE_ARGS, PROMPTS, pid_alive
 
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
@@ -43,7 +43,7 @@ def _generate_until_error(llm: LLM) -> tuple[BaseException, float]:
     return info.value, time.monotonic()
 
 
-def test_killed_stage_fails_generate_within_seconds_and_leaves_nothing(gqa_model):
+def test_killed_stage_fails_generate_within_seconds_and_leaves_nothing(gqa_model, new_processes):
     llm = LLM(gqa_model, pipeline_parallel_size=2, num_kv_blocks=256, **ENGINE_ARGS)
     try:
         (_, worker), = llm.engine.runner.children.procs
@@ -55,10 +55,10 @@ def test_killed_stage_fails_generate_within_seconds_and_leaves_nothing(gqa_model
             llm.generate(PROMPTS[0], use_tqdm=False)
     finally:
         llm.shutdown()
-    assert live_descendants() == []
+    assert new_processes() == []
 
 
-def test_hung_worker_times_out_instead_of_stalling(gqa_model, monkeypatch):
+def test_hung_worker_times_out_instead_of_stalling(gqa_model, monkeypatch, new_processes):
     monkeypatch.setenv("PAGEWISE_DIST_TIMEOUT_S", "5")
     llm = LLM(gqa_model, tensor_parallel_size=2, num_kv_blocks=256, **ENGINE_ARGS)
     try:
@@ -71,10 +71,10 @@ def test_hung_worker_times_out_instead_of_stalling(gqa_model, monkeypatch):
         t = time.monotonic()
         llm.shutdown()  # the stopped worker cannot leave by itself: it is killed
         assert time.monotonic() - t < 10.0
-    assert live_descendants() == []
+    assert new_processes() == []
 
 
-def test_child_death_is_noticed_while_idle():
+def test_child_death_is_noticed_while_idle(new_processes):
     children = ChildProcesses()
     proc = children.start("pagewise-test-child", time.sleep, 60)
     assert children.failure() is None
@@ -83,7 +83,7 @@ def test_child_death_is_noticed_while_idle():
     with pytest.raises(WorkerDiedError, match="SIGKILL"):
         children.check()
     children.stop()
-    assert live_descendants() == []
+    assert new_processes() == []
 
 
 def test_children_exit_when_their_parent_is_killed():
