@@ -116,7 +116,8 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
             if f".{ckpt_part}." in name:
                 target, shard_id = name.replace(f".{ckpt_part}.", f".{param_part}."), shard
                 break
-        if name == "model.embed_tokens.weight" and "lm_head.weight" in params and getattr(model, "tie_word_embeddings", False):
+        tied = getattr(model, "tie_word_embeddings", False)
+        if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
             target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)
         param = params.get(target)
         if param is None:

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     pp = args.pipeline_parallel_size
     print(f"pp {pp}, tp {args.tensor_parallel_size}: {args.num_prompts} prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} generated each")
-    print(f"{'micro-batches':>13} {'steps':>6} {'wall s':>7} {'step s':>7} {'stage busy s':>20} {'bubble':>7} {'ideal':>6}")
+    print(f"{'micro-batches':>13} {'steps':>6} {'wall s':>7} {'step s':>7} {'stage busy s':>20} "
+          f"{'bubble':>7} {'ideal':>6}")
     for m in (1, pp):
         r = measure(args.model, args.tensor_parallel_size, pp, m, args.num_prompts, args.prompt_len, args.max_tokens,
                     max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads)

@@ -66,9 +66,9 @@ def _partition_ranges(text: str, num_layers: int, pp: int) -> list[tuple[int, in
     except ValueError:
         counts = []
     if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-        raise ValueError(
-            f"{LAYER_PARTITION_ENV}={text!r} must list {pp} positive layer counts (one per pipeline stage) "
-            f"that add up to the model's {num_layers} layers, e.g. {','.join(str(b - a) for a, b in balanced_layer_ranges(num_layers, pp))}")
+        example = ",".join(str(b - a) for a, b in balanced_layer_ranges(num_layers, pp))
+        raise ValueError(f"{LAYER_PARTITION_ENV}={text!r} must list {pp} positive layer counts (one per pipeline "
+                         f"stage) that add up to the model's {num_layers} layers, e.g. {example}")
     starts = [sum(counts[:i]) for i in range(pp)]
     return [(s, s + c) for s, c in zip(starts, counts)]
 

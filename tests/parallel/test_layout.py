@@ -64,7 +64,8 @@ def test_layer_partition_override(monkeypatch):
 def test_torchrun_world_must_match(monkeypatch):
     for name, value in dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="h", MASTER_PORT="1").items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match="WORLD_SIZE is 3 but tensor_parallel_size 2 x pipeline_parallel_size 2 needs 4"):
+    with pytest.raises(ValueError, match="WORLD_SIZE is 3 but tensor_parallel_size 2 x pipeline_parallel_size 2 "
+                                         "needs 4"):
         layout(tp=2, pp=2)
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="under torchrun run one server per replica"):
