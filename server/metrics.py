@@ -81,16 +81,16 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def track(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def track(self, stream: AsyncIterator[RequestOutput], num_choices: int) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, timing the first token, the gaps between tokens and the whole
-        request, and counting how each choice ended (stop / length / abort / error)."""
+        request, and counting how each of its `num_choices` choices ended (stop / length / abort /
+        error) — all of them, even when the client leaves before the first output."""
         arrival = last = time.perf_counter()
-        num_tokens, num_choices = 0, 1
+        num_tokens = 0
         unfinished_reason = "abort"  # what to count if no final output arrives: the client left
         try:
             async for output in stream:
                 now = time.perf_counter()
-                num_choices = len(output.outputs)
                 total = sum(len(c.token_ids) for c in output.outputs)
                 if total > num_tokens:
                     if num_tokens == 0:

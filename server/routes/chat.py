@@ -32,7 +32,8 @@ async def create_chat_completion(request: Request):
         params = body.to_sampling_params(max_tokens)
 
     request_id = new_id("chatcmpl")
-    stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text))
+    stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),
+                                 params.n)
     render = _Renderer(state, body, request_id)
     try:
         with engine_errors():

@@ -33,7 +33,7 @@ async def create_completion(request: Request):
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text))
+    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text), sp.n)
                for rid, p, sp in zip(ids, prompts, params)]
     render = _Renderer(state, body, prompts, request_id)
     try:

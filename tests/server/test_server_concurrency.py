@@ -5,6 +5,8 @@ behind."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 
 import httpx
@@ -115,16 +117,28 @@ def test_cancelled_streams_free_everything(server):
 
 
 def test_disconnected_non_streaming_request_is_aborted(server):
-    """A plain (non-streaming) request whose client gives up is aborted too, not run to the end."""
+    """A plain (non-streaming) request whose client gives up mid-generation is aborted too, not run
+    to the end. A raw socket, closed only once /metrics shows the request running, so the test
+    never races the server's start (a client that leaves before the request is read aborts nothing)."""
     before = get_metrics(server)
     aborted_before = metric(before, "pagewise:requests_finished_total", finished_reason="abort") or 0.0
-    body = {"prompt": "Once upon a time", "max_tokens": 480, "n": 4, "temperature": 0, "ignore_eos": True}
+    tokens_before = metric(before, "pagewise:generation_tokens_total")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 480, "n": 4, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    host, port = server.url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
     try:
-        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                   timeout=0.3)
-        raise AssertionError("the request finished before the client timeout; make it longer")
-    except httpx.TimeoutException:
-        pass  # the client hung up mid-generation
+        while True:  # wait until it generates
+            text = get_metrics(server)
+            if (metric(text, "pagewise:generation_tokens_total") or 0) > (tokens_before or 0):
+                break
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.02)
+    finally:
+        sock.close()  # the client hangs up mid-generation
     deadline = time.monotonic() + 15
     while True:
         text = get_metrics(server)
