@@ -50,6 +50,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.key} has no token to compute"
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -61,7 +62,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         if out.preempted:  # blocks are short: admit nothing new this step
-            self._count_chunks(out)
+            self._record_step(out)
             return out
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -82,10 +83,10 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
-        self._count_chunks(out)
+        self._record_step(out)
         return out
 
-    def _count_chunks(self, out: SchedulerOutput) -> None:
+    def _record_step(self, out: SchedulerOutput) -> None:
         self.num_scheduled_tokens += out.num_tokens
         self.num_chunked_prefills += sum(1 for r, n in out.scheduled if r.num_computed_tokens + n < r.num_tokens)
 
