@@ -19,10 +19,12 @@ TINY_SERVER_ARGS = ["--num-kv-blocks", "2048", "--max-body-bytes", str(MAX_BODY_
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0):
+    def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0,
+                 entry: str = "server.cli"):
+        """`entry`: the module run as `python -m ENTRY serve`; "engine.cli" is the `engine` console script."""
         self.log_path = log_path
         self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-m", entry, "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         self.url = self._wait_listening(startup_timeout)

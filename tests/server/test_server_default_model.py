@@ -10,8 +10,9 @@ from tests.server.server_harness import ServerProcess
 
 @pytest.mark.slow
 def test_default_model_answers_paris(tmp_path):
-    # No --model and no engine flags: only the port (0 = any free one) differs from `engine serve`.
-    proc = ServerProcess([], str(tmp_path / "server.log"), startup_timeout=600)
+    # `engine serve` itself (the console script's module): no --model and no engine flags; only the
+    # port (0 = any free one) differs from what a newcomer types.
+    proc = ServerProcess([], str(tmp_path / "server.log"), startup_timeout=600, entry="engine.cli")
     try:
         with openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0, timeout=300) as client:
             model = client.models.list().data[0].id
