@@ -6,8 +6,10 @@ the model read.
 - `device`, same backend, all ranks: stage-to-stage activations and logits to rank 0; and one
   TP subgroup per stage for the all-reduces and gathers;
 - `control`, a gloo group on which rank 0 broadcasts each step's inputs. Followers wait on it
-  for as long as the server idles, so it alone has no practical timeout: a dead rank 0 still
-  surfaces at once (its connections close), and spawned followers also exit with their parent;
+  for as long as the server idles, so on their side it has no practical timeout: a dead rank 0
+  still surfaces at once (its connections close), and spawned followers also exit with their
+  parent. On rank 0's side it is bounded like any wait inside a step (a gloo group's timeout is
+  each process's own setting): a broadcast to a hung follower can block the sender, and did;
 - `cpu`, a gloo group for small agreements at start-up (how many KV blocks fit everywhere).
 
 Waits within a step are bounded by PAGEWISE_DIST_TIMEOUT_S (default 60 s): a peer that hangs
@@ -43,7 +45,7 @@ def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, in
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
                             timeout=START_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=collective_timeout() if rank == 0 else IDLE_TIMEOUT)
     cpu = dist.new_group(backend="gloo", timeout=START_TIMEOUT)
     device = dist.new_group(timeout=collective_timeout())
     stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
