@@ -41,11 +41,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], params, use_tqdm)
+        return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], sampling_params,
+                         use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -53,17 +50,19 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        return self._run(list(zip(prompts, ids)), params, use_tqdm)
+        return self._run(list(zip(prompts, ids)), sampling_params, use_tqdm)
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         order = {}
         try:
             for (text, ids), p in zip(prompts, params):

@@ -18,6 +18,7 @@ from engine.models.registry import model_class
 from engine.parallel.state import min_over_ranks, pp_state, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         torch.cuda.reset_peak_memory_stats(self.device)
-        req = Request("profile", [0] * n, _profile_params())
+        req = Request("profile", [0] * n, SamplingParams(max_tokens=1))
         req.block_ids = list(range(self.num_blocks))
         batch = SchedulerOutput(scheduled=[(req, n)])
         self.execute_model(batch)
@@ -197,9 +198,3 @@ class ModelRunner:
             h = self.model.final_hidden(hidden[a:b], residual[a:b])
             out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))
         return out
-
-
-def _profile_params():
-    from engine.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=1)
