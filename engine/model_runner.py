@@ -141,8 +141,8 @@ class ModelRunner:
         for layer in self.model.layers():
             attn = layer.self_attn.attn
             shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device, backend=self.attn_backend)
-            attn.v_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device, backend=self.attn_backend)
+            attn.k_cache, attn.v_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device,
+                                                                   backend=self.attn_backend)
             self.kv_caches += [attn.k_cache, attn.v_cache]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -193,8 +193,8 @@ class ModelRunner:
         out = StepLogits(sample_reqs, None)
         if sample_rows:
             rows = torch.tensor(sample_rows, device=dev)
-            out.sample_logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
+            out.sample_logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows], self.attn_backend))
         for req, first_token, a, b in prompt_rows:
-            h = self.model.final_hidden(hidden[a:b], residual[a:b])
+            h = self.model.final_hidden(hidden[a:b], residual[a:b], self.attn_backend)
             out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))
         return out

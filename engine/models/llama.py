@@ -8,14 +8,14 @@ checkpoint onto the fused parameters here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from engine.layers.rotary import RotaryEmbedding, rope_settings
 from engine.parallel.pipeline import recv_activations, send_activations
 
 
@@ -48,8 +48,8 @@ class Attention(nn.Module):
         v = qkv[:, heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q, backend=meta.backend), self.k_norm(k, backend=meta.backend)], dim=1)
+        q, k = kernels.apply_rotary(qk, *rope, backend=meta.backend).split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -64,9 +64,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
                                            bias=bool(getattr(cfg, "mlp_bias", False)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), backend=backend))
 
 
 class DecoderLayer(nn.Module):
@@ -79,12 +78,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, x, residual, meta):
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, backend=meta.backend)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, backend=meta.backend)
         x = self.self_attn(rope, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, backend=meta.backend)
+        return self.mlp(x, meta.backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -140,12 +139,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta):
         return self.model(input_ids, positions, meta)
 
-    def final_hidden(self, hidden, residual):
+    def final_hidden(self, hidden, residual, backend: str = "torch"):
         """The last layer's output after the final norm (hidden states fed to the LM head).
         Before the last pipeline stage there is no norm: the hidden states pass through."""
         if self.model.norm is None:
             return hidden
-        hidden, _ = self.model.norm(hidden, residual)
+        hidden, _ = self.model.norm(hidden, residual, backend=backend)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,392 @@
+// CPU kernels for the engine's hot path: paged decode attention straight from the block tables,
+// the KV-cache store, and the fused elementwise ops around the matmuls (residual add + RMSNorm,
+// rotary, SwiGLU). Built on first use by kernels/cpu_build.py with ATen's SIMD types
+// (at::vec::Vectorized) for the CPU capability torch reports, threaded with at::parallel_for.
+//
+// Every op rounds where transformers' eager 16-bit code rounds (kernels/reference.py is the
+// oracle): float math inside, one rounding to the storage dtype at each point the reference
+// materializes a tensor.
+//
+// Cache layout (kernels/cpu_ops.py allocates it; the logical view is the reference's
+// [num_blocks, block_size, num_kv_heads, head_dim]):
+//   key   [num_kv_heads, num_blocks, head_dim, block_size]  a block's keys transposed, so one
+//         head dimension of block_size keys is a contiguous vector: q.k for a whole block is
+//         head_dim broadcast-FMAs, no horizontal sums
+//   value [num_kv_heads, num_blocks, block_size, head_dim]  a key's value row is contiguous
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kF = fVec::size();
+
+// n <= kF elements of T as floats (lanes past n are zero).
+template <typename T>
+inline fVec load_f(const T* p, int64_t n = kF) {
+  if constexpr (std::is_same_v<T, float>) {
+    return fVec::loadu(p, n);
+  } else {
+    auto v = at::vec::Vectorized<T>::loadu(p, n);
+    return std::get<0>(at::vec::convert_to_float<T>(v));
+  }
+}
+
+// Round to T (nearest even, as torch's casts) and store the first n lanes.
+template <typename T>
+inline void store_f(T* p, const fVec& v, int64_t n = kF) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, n);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, n);
+  }
+}
+
+// x rounded to T and back: where the reference materializes a 16-bit intermediate.
+template <typename T>
+inline fVec round_to(const fVec& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(x, x));
+    (void)hi;
+    return lo;
+  }
+}
+
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+#define PW_DISPATCH(dtype, NAME, ...)                                                       \
+  [&] {                                                                                     \
+    switch (dtype) {                                                                        \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }                    \
+      case at::kBFloat16: { using scalar_t = c10::BFloat16; return __VA_ARGS__(); }         \
+      case at::kHalf: { using scalar_t = c10::Half; return __VA_ARGS__(); }                 \
+      default: TORCH_CHECK(false, NAME, ": dtype ", dtype, " is not float32/bfloat16/float16"); \
+    }                                                                                       \
+  }()
+
+// ---- RMSNorm, optionally after the residual add -----------------------------------------------
+
+// out = weight * norm(x + residual) and new_residual = x + residual (rounded to T first, as the
+// reference adds in T); without residual, out = weight * norm(x).
+template <typename T>
+void rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows, int64_t dim,
+                   float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      fVec acc(0.f);
+      for (int64_t d = 0; d < dim; d += kF) {
+        int64_t n = std::min(kF, dim - d);
+        fVec v = load_f(xr + d, n);
+        if (res != nullptr) {
+          v = round_to<T>(v + load_f(res + r * dim + d, n));
+          store_f(sum_out + r * dim + d, v, n);
+        }
+        v.store(buf.data() + d, n);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float inv = 1.f / std::sqrt(acc.reduce_add() / static_cast<float>(dim) + eps);
+      fVec vinv(inv);
+      for (int64_t d = 0; d < dim; d += kF) {
+        int64_t n = std::min(kF, dim - d);
+        // transformers: weight * (x * inv).to(dtype), the product rounded again.
+        fVec y = round_to<T>(fVec::loadu(buf.data() + d, n) * vinv) * load_f(w + d, n);
+        store_f(out + r * dim + d, y, n);
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                    double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
+  int64_t dim = x.size(-1), rows = x.numel() / dim;
+  auto out = torch::empty_like(x);
+  torch::Tensor sum;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type(), "rms_norm: residual must match x");
+    sum = torch::empty_like(x);
+  }
+  PW_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            residual ? sum.data_ptr<scalar_t>() : nullptr, rows, dim, static_cast<float>(eps));
+  });
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+// ---- rotary, in place ---------------------------------------------------------------------------
+
+// x [tokens, heads, head_dim] (rows may be strided, a head's dims contiguous), cos/sin
+// [tokens, head_dim / 2] in T: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), each product and the sum
+// rounded to T as transformers' eager `q * cos + rotate_half(q) * sin` rounds them.
+template <typename T>
+void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t half,
+                 int64_t token_stride, int64_t head_stride) {
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + t * token_stride + h * head_stride;
+        T* x2 = x1 + half;
+        for (int64_t d = 0; d < half; d += kF) {
+          int64_t n = std::min(kF, half - d);
+          fVec a = load_f(x1 + d, n), b = load_f(x2 + d, n);
+          fVec cv = load_f(c + d, n), sv = load_f(s + d, n);
+          fVec y1 = round_to<T>(a * cv) - round_to<T>(b * sv);
+          fVec y2 = round_to<T>(b * cv) + round_to<T>(a * sv);
+          store_f(x1 + d, y1, n);
+          store_f(x2 + d, y2, n);
+        }
+      }
+    }
+  });
+}
+
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [tokens, heads, head_dim], head dims contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type(), "rotary_: cos/sin must be contiguous, in x's dtype");
+  int64_t half = x.size(2) / 2;
+  TORCH_CHECK(cos.numel() == x.size(0) * half && sin.numel() == cos.numel(), "rotary_: cos/sin must be [tokens, head_dim/2]");
+  PW_DISPATCH(x.scalar_type(), "rotary_", [&] {
+    rotary_impl<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), x.size(0),
+                          x.size(1), half, x.stride(0), x.stride(1));
+  });
+}
+
+// ---- SwiGLU ----------------------------------------------------------------------------------
+
+// x [tokens, 2 * inter] = [gate | up] -> silu(gate) * up, silu rounded to T before the product.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be contiguous [tokens, 2 * inter]");
+  int64_t tokens = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({tokens, inter}, x.options());
+  PW_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      const fVec one(1.f);
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = in + t * 2 * inter;
+        const scalar_t* u = g + inter;
+        for (int64_t d = 0; d < inter; d += kF) {
+          int64_t n = std::min(kF, inter - d);
+          fVec gv = load_f(g + d, n);
+          fVec act = round_to<scalar_t>(gv / (one + gv.neg().exp()));
+          store_f(o + t * inter + d, act * load_f(u + d, n), n);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- KV cache store ------------------------------------------------------------------------------
+
+// key/value [tokens, kv_heads, head_dim]; slot -1 = padding, skipped.
+template <typename T>
+void write_kv_impl(const T* key, const T* value, T* kc, T* vc, const int64_t* slots, int64_t tokens, int64_t heads,
+                   int64_t dim, int64_t num_blocks, int64_t bs, int64_t key_stride, int64_t value_stride) {
+  at::parallel_for(0, tokens, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t slot = slots[t];
+      if (slot < 0) continue;
+      int64_t block = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* k = key + t * key_stride + h * dim;
+        const T* v = value + t * value_stride + h * dim;
+        T* kb = kc + ((h * num_blocks + block) * dim) * bs + off;
+        T* vb = vc + ((h * num_blocks + block) * bs + off) * dim;
+        for (int64_t d = 0; d < dim; ++d) kb[d * bs] = k[d];
+        std::copy(v, v + dim, vb);
+      }
+    }
+  });
+}
+
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  // k_cache [kv_heads, num_blocks, head_dim, block_size], v_cache [kv_heads, num_blocks, block_size, head_dim]
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be the physical tensors");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "write_kv: key/value heads must be contiguous rows");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "write_kv: key/value dtype must match the cache's");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
+  TORCH_CHECK(key.size(1) == heads && key.size(2) == dim, "write_kv: key shape does not match the cache");
+  int64_t total = num_blocks * bs;
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < total, "write_kv: slot outside the cache");
+  PW_DISPATCH(key.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim,
+                            num_blocks, bs, key.stride(0), value.stride(0));
+  });
+}
+
+// ---- paged decode attention ---------------------------------------------------------------------
+
+// Scores of GC query heads (scaled, float) against one block of keys: block_size-wide vectors,
+// one key-column load per head dimension shared by the GC heads.
+template <typename T, int GC>
+inline void block_scores(const float* q, int64_t dim, const T* kb, int64_t bs, float* scores, int64_t stride) {
+  for (int64_t c = 0; c < bs; c += kF) {
+    const int64_t n = std::min(kF, bs - c);
+    fVec sum[GC];
+    for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      const fVec k = load_f(kb + d * bs + c, n);
+      for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(q[g * dim + d]), k, sum[g]);
+    }
+    for (int g = 0; g < GC; ++g) sum[g].store(scores + g * stride + c, n);
+  }
+}
+
+// acc[g, d0:d0+n] = sum over the sequence's keys of p[g, key] * v[key, d0:d0+n], GC heads at once.
+template <typename T, int GC>
+inline void weighted_values(const float* p, int64_t stride, const T* vc, const int64_t* table, int64_t len,
+                            int64_t bs, int64_t dim, int64_t block_base, float* acc) {
+  for (int64_t d0 = 0; d0 < dim; d0 += kF) {
+    const int64_t n = std::min(kF, dim - d0);
+    fVec sum[GC];
+    for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
+    for (int64_t k = 0; k < len; ++k) {
+      const fVec v = load_f(vc + ((block_base + table[k / bs]) * bs + k % bs) * dim + d0, n);
+      for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g]);
+    }
+    for (int g = 0; g < GC; ++g) sum[g].store(acc + g * dim + d0, n);
+  }
+}
+
+// One query token per sequence. Work item = (sequence, KV head): its `group` query heads share
+// every key and value load (in chunks of up to 4 heads, whose accumulators stay in registers).
+// The softmax is exact (max, then exp and sum over a float score row); slots past the
+// sequence's length are set to -inf before it and never read for values, so stale or NaN cache
+// contents there cannot leak in.
+template <typename T>
+void decode_attention_impl(T* out, const T* query, const T* kc, const T* vc, const int64_t* tables,
+                           const int64_t* lens, const int64_t* rows, int64_t seqs, int64_t heads, int64_t kv_heads,
+                           int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
+                           int64_t q_stride, int64_t out_stride) {
+  const int64_t group = heads / kv_heads;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), acc(group * dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[s], n_blocks = (len + bs - 1) / bs;
+      // A bad batch is a caller's bug: flag it (no throwing inside the parallel region), read nothing.
+      bool ok = len >= 1 && n_blocks <= table_width;
+      for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
+      if (!ok) {
+        bad = true;
+        continue;
+      }
+      const int64_t stride = (n_blocks * bs + kF - 1) / kF * kF;  // a score row, whole vectors
+      const int64_t* table = tables + s * table_width;
+      const T* qrow = query + rows[s] * q_stride + h * group * dim;
+      for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * scale;
+      scores.resize(group * stride);
+      const int64_t block_base = h * num_blocks;
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t gc = std::min<int64_t>(4, group - g0);
+        for (int64_t j = 0; j < n_blocks; ++j) {
+          const T* kb = kc + (block_base + table[j]) * dim * bs;
+          float* sc = scores.data() + g0 * stride + j * bs;
+          const float* qg = q.data() + g0 * dim;
+          switch (gc) {
+            case 1: block_scores<T, 1>(qg, dim, kb, bs, sc, stride); break;
+            case 2: block_scores<T, 2>(qg, dim, kb, bs, sc, stride); break;
+            case 3: block_scores<T, 3>(qg, dim, kb, bs, sc, stride); break;
+            default: block_scores<T, 4>(qg, dim, kb, bs, sc, stride); break;
+          }
+        }
+      }
+      const fVec neg_inf(-std::numeric_limits<float>::infinity());
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * stride;
+        std::fill(sc + len, sc + stride, -std::numeric_limits<float>::infinity());
+        fVec mx = neg_inf;
+        for (int64_t k = 0; k < stride; k += kF) mx = at::vec::maximum(mx, fVec::loadu(sc + k));
+        const fVec top(mx.reduce_max());
+        fVec total(0.f);
+        for (int64_t k = 0; k < stride; k += kF) {
+          fVec e = (fVec::loadu(sc + k) - top).exp();
+          e.store(sc + k);
+          total = total + e;
+        }
+        const fVec inv(1.f / total.reduce_add());
+        for (int64_t k = 0; k < stride; k += kF) (fVec::loadu(sc + k) * inv).store(sc + k);
+      }
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t gc = std::min<int64_t>(4, group - g0);
+        const float* p = scores.data() + g0 * stride;
+        float* a = acc.data() + g0 * dim;
+        switch (gc) {
+          case 1: weighted_values<T, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 2: weighted_values<T, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 3: weighted_values<T, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          default: weighted_values<T, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+        }
+      }
+      T* orow = out + rows[s] * out_stride + h * group * dim;
+      for (int64_t i = 0; i < group * dim; i += kF) {
+        const int64_t n = std::min(kF, group * dim - i);
+        store_f(orow + i, fVec::loadu(acc.data() + i, n), n);
+      }
+    }
+  });
+  TORCH_CHECK(!bad, "decode_attention: a sequence length is < 1 or beyond its block table, or a block id is outside the cache");
+}
+
+void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be the physical tensors");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
+              out.stride(1) == out.size(2), "decode_attention: query/out heads must be contiguous rows");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "decode_attention: query, out and cache dtypes must match");
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  auto row_ids = rows.to(at::kLong).contiguous();
+  int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
+  int64_t heads = query.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == dim, "decode_attention: query heads do not match the cache");
+  TORCH_CHECK(tables.size(0) == lens.numel() && row_ids.numel() == lens.numel(), "decode_attention: one table, length and row per sequence");
+  PW_DISPATCH(query.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                    row_ids.data_ptr<int64_t>(), lens.numel(), heads, kv_heads, dim, num_blocks, bs,
+                                    tables.size(1), static_cast<float>(scale), query.stride(0), out.stride(0));
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
+  m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("write_kv", &write_kv, "store keys and values at their slots");
+  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
+}

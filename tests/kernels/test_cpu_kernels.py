@@ -1,0 +1,187 @@
+"""The C++ CPU kernels (kernels/cpu_ops.cpp) against a float64 definition and kernels/reference.py.
+
+Attention batches come from kernel_cases: shuffled blocks, padding entries in the block tables and
+NaN in every cache slot outside a sequence, copied into the cpu backend's own cache layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import cpu_build, reference
+from tests.kernels.kernel_cases import TOLERANCE, check_attention, make_batch
+
+if cpu_build.available() is not None:
+    pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})", allow_module_level=True)
+
+from kernels import cpu_ops  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def to_cpu_layout(b):
+    """The batch with its caches copied into cpu-backend caches (logical contents unchanged)."""
+    nb, bs, h, d = b.k_cache.shape
+    k, v = kernels.allocate_kv_cache(nb, bs, h, d, b.k_cache.dtype, "cpu", backend="cpu")
+    k.copy_(b.k_cache)
+    v.copy_(b.v_cache)
+    b.k_cache, b.v_cache = k, v
+    return b
+
+
+def run(b) -> None:
+    want = reference.paged_attention(*b.args())
+    b = to_cpu_layout(b)
+    out = kernels.paged_attention(*b.args(), backend="cpu")
+    out[b.num_tokens:] = float("nan")  # rows past the last sequence are no one's
+    check_attention(out, b, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_token(dtype):
+    run(make_batch([1], [1], dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decodes_across_block_boundaries(dtype, block_size):
+    lens = [1, 15, 16, 17, 31, 32, 33, 300]
+    run(make_batch([1] * len(lens), lens, block_size=block_size, dtype=dtype, seed=block_size))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+def test_gqa_ratios(group):
+    # Up to 4 heads share one register pass; 5 and 8 take two.
+    run(make_batch([1, 1, 1], [40, 7, 70], group=group, dtype=torch.bfloat16, seed=group))
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 64, 80, 128])
+def test_head_dims(head_dim):
+    # 8 and 24 are not whole vectors: partial loads and stores.
+    run(make_batch([1, 1], [50, 19], num_kv_heads=1, group=3, head_dim=head_dim, dtype=torch.float32, seed=head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_with_strided_query(dtype):
+    # Decodes among prefill chunks (one after a cached prefix ending mid-block): the cpu backend
+    # runs the decodes in C++ and the chunks through the reference's SDPA, into one output.
+    b = make_batch([1, 7, 1, 30, 1], [90, 21 + 7, 1, 30, 17], strided_query=True, dtype=dtype, pad_rows=2)
+    run(b)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=6), group=st.sampled_from([1, 2, 4, 6]),
+       block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
+def test_random_decode_batches(lens, group, block_size, seed):
+    run(make_batch([1] * len(lens), lens, group=group, block_size=block_size, seed=seed, num_kv_heads=2,
+                   head_dim=32))
+
+
+def test_bad_block_table_is_an_error_not_a_read():
+    b = to_cpu_layout(make_batch([1, 1], [20, 20]))
+    b.block_tables[1, 1] = 10_000
+    with pytest.raises(RuntimeError, match="block id is outside the cache"):
+        kernels.paged_attention(*b.args(), backend="cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    nb, bs, h, d = 6, 16, 3, 40
+    k_ref = torch.zeros(nb, bs, h, d, dtype=dtype)
+    v_ref = torch.zeros_like(k_ref)
+    k, v = kernels.allocate_kv_cache(nb, bs, h, d, dtype, "cpu", backend="cpu")
+    n = 30
+    qkv = torch.randn(n, 2 + 2 * h, d, generator=gen).to(dtype)  # key/value as strided views, as the model passes them
+    key, value = qkv[:, 2:2 + h], qkv[:, 2 + h:]
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[::7] = -1  # padding
+    reference.write_kv(key, value, k_ref, v_ref, slots)
+    kernels.write_kv(key, value, k, v, slots, backend="cpu")
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    with pytest.raises(RuntimeError, match="slot outside the cache"):
+        kernels.write_kv(key[:1], value[:1], k, v, torch.tensor([nb * bs]), backend="cpu")
+
+
+def test_copy_blocks_on_cpu_layout():
+    k, v = kernels.allocate_kv_cache(4, 16, 2, 8, torch.float32, "cpu", backend="cpu")
+    k.copy_(torch.randn(k.shape))
+    v.copy_(torch.randn(v.shape))
+    want_k, want_v = k[1].clone(), v[1].clone()
+    kernels.copy_blocks(k, v, torch.tensor([1]), torch.tensor([3]), backend="cpu")
+    assert torch.equal(k[3], want_k) and torch.equal(v[3], want_v)
+
+
+# ---- elementwise ops: within one rounding of the 16-bit result from the float64 definition ----
+
+def close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}[dtype]
+    torch.testing.assert_close(got.double(), want64, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [8, 64, 576, 1000])
+def test_rms_norm(dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    x, res = (torch.randn(37, dim, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+
+    def norm64(t):
+        t = t.double()
+        return w.double() * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    close(kernels.rms_norm(x, w, 1e-6, backend="cpu"), norm64(x), dtype)
+    out, total = kernels.rms_norm(x, w, 1e-6, res, backend="cpu")
+    assert torch.equal(total, x + res)  # the residual stream is added in the model's dtype, as the reference does
+    close(out, norm64(x + res), dtype)
+    ref_out, _ = reference.rms_norm(x, w, 1e-6, res)
+    close(out, ref_out.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    t, heads = 11, 5
+    qkv = torch.randn(t, heads + 2, head_dim, generator=gen).to(dtype)
+    x = qkv[:, :heads]  # strided rows, as the fused projection hands them over
+    angle = torch.rand(t, 1, head_dim // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    want = reference.apply_rotary(x, cos, sin)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double(), sin.double()
+    want64 = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    rest = qkv[:, heads:].clone()
+    got = kernels.apply_rotary(x, cos, sin, backend="cpu")
+    assert got.data_ptr() == x.data_ptr(), "rotated in place"
+    assert torch.equal(qkv[:, heads:], rest), "the rest of the row is untouched"
+    close(got, want64, dtype)
+    close(got, want.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [8, 100, 1536])
+def test_silu_and_mul(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    x = (3 * torch.randn(9, 2 * inter, generator=gen)).to(dtype)
+    g, u = x.double().chunk(2, dim=-1)
+    close(kernels.silu_and_mul(x, backend="cpu"), F.silu(g) * u, dtype)
+    close(kernels.silu_and_mul(x, backend="cpu"), reference.silu_and_mul(x).double(), dtype)
+
+
+def test_backend_resolution_on_cpu(monkeypatch):
+    assert kernels.resolve_backend("auto", "cpu") == "cpu"
+    assert kernels.resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="runs on the CPU device"):
+        kernels.resolve_backend("cpu", "cuda")
+    # A machine without a compiler: auto falls back to torch, an explicit "cpu" says what to do.
+    monkeypatch.setattr(cpu_build, "_module", None)
+    monkeypatch.setattr(cpu_build, "_error", OSError("no g++"))
+    assert kernels.resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
+        kernels.resolve_backend("cpu", "cpu")
