@@ -13,6 +13,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
 from engine.parallel.state import min_over_ranks, pp_state, tp_state
@@ -89,6 +90,7 @@ class ModelRunner:
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
+        pack_weights(self.model, self.attn_backend)
         self.model.eval()
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         self.num_blocks = self._size_kv_cache()

@@ -4,8 +4,8 @@ chosen.
 Backends:
   torch   kernels/reference.py: pure torch, the test oracle, and the fallback on any device.
   cpu     kernels/cpu_ops.py: C++ kernels (kernels/cpu_ops.cpp, compiled on first use) for CPU
-          decode attention, the KV store and the fused norm / rotary / SwiGLU; prefill through
-          the reference's SDPA. The default on CPU when a C++ compiler is there.
+          paged attention, the KV store and the fused norm / rotary / SwiGLU, and oneDNN
+          matmuls on prepacked weights. The default on CPU when a C++ compiler is there.
   triton  kernels/triton_*.py: the CUDA path. On CPU tensors it runs only under Triton's
           interpreter (TRITON_INTERPRET=1 set before the kernels are imported), for tests.
 
@@ -113,7 +113,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
 def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, backend: str = "torch"):
     """Per-step work shared by every layer's attention call; None where the backend needs none."""
     if backend in ("torch", "cpu"):
-        return reference.plan_attention(block_tables, query_start_loc, seq_lens, block_size)
+        return _ops(backend).plan_attention(block_tables, query_start_loc, seq_lens, block_size)
     return None
 
 
@@ -151,3 +151,18 @@ def apply_rotary(x, cos, sin, backend: str = "torch"):
 def silu_and_mul(x, backend: str = "torch"):
     """[tokens, 2 * inter] = [gate | up] -> silu(gate) * up."""
     return _elementwise(backend).silu_and_mul(x)
+
+
+def pack_linear_weight(weight, backend: str = "torch"):
+    """A copy of a linear weight in the layout the backend's matmul wants (cpu: oneDNN's blocked
+    layout), or None where the plain weight is best. Hand it back to linear()."""
+    return _ops("cpu").pack_linear_weight(weight) if backend == "cpu" else None
+
+
+def linear(x, weight, bias=None, packed=None):
+    """x @ weight.T + bias, through `packed` when pack_linear_weight made one."""
+    if packed is not None:
+        return _ops("cpu").linear(x, packed, bias)
+    import torch.nn.functional as F
+
+    return F.linear(x, weight, bias)

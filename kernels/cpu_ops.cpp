@@ -246,57 +246,109 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 
 // ---- paged decode attention ---------------------------------------------------------------------
 
+// Ask for a block's cache lines before they are needed: the blocks of a sequence are scattered
+// over the cache, so the hardware prefetcher cannot guess the next one, and a decode step streams
+// every layer's keys and values from memory (measured: 2.3x slower without, 30 layers' caches).
+constexpr int64_t kAhead = 4;  // blocks ahead: one block's work is shorter than a memory round trip
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 // Scores of GC query heads (scaled, float) against one block of keys: block_size-wide vectors,
-// one key-column load per head dimension shared by the GC heads.
+// one key-column load per head dimension shared by the GC heads. Even and odd dimensions add into
+// separate sums: two independent FMA chains per head instead of one long one.
 template <typename T, int GC>
 inline void block_scores(const float* q, int64_t dim, const T* kb, int64_t bs, float* scores, int64_t stride) {
   for (int64_t c = 0; c < bs; c += kF) {
     const int64_t n = std::min(kF, bs - c);
-    fVec sum[GC];
-    for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      const fVec k = load_f(kb + d * bs + c, n);
-      for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(q[g * dim + d]), k, sum[g]);
+    fVec even[GC], odd[GC];
+    for (int g = 0; g < GC; ++g) even[g] = odd[g] = fVec(0.f);
+    int64_t d = 0;
+    for (; d + 1 < dim; d += 2) {
+      const fVec k0 = load_f(kb + d * bs + c, n), k1 = load_f(kb + (d + 1) * bs + c, n);
+      for (int g = 0; g < GC; ++g) {
+        even[g] = at::vec::fmadd(fVec(q[g * dim + d]), k0, even[g]);
+        odd[g] = at::vec::fmadd(fVec(q[g * dim + d + 1]), k1, odd[g]);
+      }
     }
-    for (int g = 0; g < GC; ++g) sum[g].store(scores + g * stride + c, n);
+    if (d < dim) {
+      const fVec k0 = load_f(kb + d * bs + c, n);
+      for (int g = 0; g < GC; ++g) even[g] = at::vec::fmadd(fVec(q[g * dim + d]), k0, even[g]);
+    }
+    for (int g = 0; g < GC; ++g) (even[g] + odd[g]).store(scores + g * stride + c, n);
   }
 }
 
-// acc[g, d0:d0+n] = sum over the sequence's keys of p[g, key] * v[key, d0:d0+n], GC heads at once.
-template <typename T, int GC>
+// acc[g, :] = sum over the sequence's keys of p[g, key] * v[key, :], GC heads at once. With NV
+// whole vectors per value row (head_dim = NV * kF), every key's row is loaded once and all GC x NV
+// sums stay in registers; NV = 0 is the general case, one vector of the row at a time.
+template <typename T, int GC, int NV>
 inline void weighted_values(const float* p, int64_t stride, const T* vc, const int64_t* table, int64_t len,
                             int64_t bs, int64_t dim, int64_t block_base, float* acc) {
-  for (int64_t d0 = 0; d0 < dim; d0 += kF) {
-    const int64_t n = std::min(kF, dim - d0);
-    fVec sum[GC];
-    for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
+  const int64_t block_bytes = bs * dim * static_cast<int64_t>(sizeof(T));
+  if constexpr (NV > 0) {
+    fVec sum[GC][NV];
+    for (int g = 0; g < GC; ++g)
+      for (int i = 0; i < NV; ++i) sum[g][i] = fVec(0.f);
     for (int64_t k = 0; k < len; ++k) {
-      const fVec v = load_f(vc + ((block_base + table[k / bs]) * bs + k % bs) * dim + d0, n);
-      for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g]);
+      const int64_t j = k / bs;
+      if (k % bs == 0 && (j + kAhead) * bs < len) prefetch(vc + (block_base + table[j + kAhead]) * bs * dim, block_bytes);
+      const T* row = vc + ((block_base + table[j]) * bs + k % bs) * dim;
+      for (int i = 0; i < NV; ++i) {
+        const fVec v = load_f(row + i * kF);
+        for (int g = 0; g < GC; ++g) sum[g][i] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g][i]);
+      }
     }
-    for (int g = 0; g < GC; ++g) sum[g].store(acc + g * dim + d0, n);
+    for (int g = 0; g < GC; ++g)
+      for (int i = 0; i < NV; ++i) sum[g][i].store(acc + g * dim + i * kF);
+  } else {
+    for (int64_t d0 = 0; d0 < dim; d0 += kF) {
+      const int64_t n = std::min(kF, dim - d0);
+      fVec sum[GC];
+      for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
+      for (int64_t k = 0; k < len; ++k) {
+        const fVec v = load_f(vc + ((block_base + table[k / bs]) * bs + k % bs) * dim + d0, n);
+        for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g]);
+      }
+      for (int g = 0; g < GC; ++g) sum[g].store(acc + g * dim + d0, n);
+    }
   }
 }
 
-// One query token per sequence. Work item = (sequence, KV head): its `group` query heads share
-// every key and value load (in chunks of up to 4 heads, whose accumulators stay in registers).
-// The softmax is exact (max, then exp and sum over a float score row); slots past the
-// sequence's length are set to -inf before it and never read for values, so stale or NaN cache
-// contents there cannot leak in.
+template <typename T, int GC>
+inline void weighted_values_any(const float* p, int64_t stride, const T* vc, const int64_t* table, int64_t len,
+                                int64_t bs, int64_t dim, int64_t block_base, float* acc) {
+  switch (dim == kF ? 1 : dim == 2 * kF ? 2 : dim == 4 * kF ? 4 : dim == 8 * kF ? 8 : 0) {
+    case 1: return weighted_values<T, GC, 1>(p, stride, vc, table, len, bs, dim, block_base, acc);
+    case 2: return weighted_values<T, GC, 2>(p, stride, vc, table, len, bs, dim, block_base, acc);
+    case 4: return weighted_values<T, GC, 4>(p, stride, vc, table, len, bs, dim, block_base, acc);
+    case 8: return weighted_values<T, GC, 8>(p, stride, vc, table, len, bs, dim, block_base, acc);
+    default: return weighted_values<T, GC, 0>(p, stride, vc, table, len, bs, dim, block_base, acc);
+  }
+}
+
+// Every query row attends to the first `len` keys of its sequence: a decode row to the whole
+// context, a prefill row causally (len = its position + 1). Work item = (query row, KV head):
+// its `group` query heads share every key and value load (in chunks of up to 4 heads, whose
+// accumulators stay in registers). The softmax is exact (max, then exp and sum over a float
+// score row); slots past `len` are set to -inf before it and never read for values, so stale or
+// NaN cache contents there cannot leak in.
 template <typename T>
-void decode_attention_impl(T* out, const T* query, const T* kc, const T* vc, const int64_t* tables,
-                           const int64_t* lens, const int64_t* rows, int64_t seqs, int64_t heads, int64_t kv_heads,
-                           int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
-                           int64_t q_stride, int64_t out_stride) {
+void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const int64_t* tables,
+                         const int64_t* row_seq, const int64_t* lens, int64_t num_rows, int64_t num_seqs, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
+                         int64_t q_stride, int64_t out_stride) {
   const int64_t group = heads / kv_heads;
   std::atomic<bool> bad{false};
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * dim), acc(group * dim), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[s], n_blocks = (len + bs - 1) / bs;
+      const int64_t r = item / kv_heads, h = item % kv_heads, s = row_seq[r];
+      const int64_t len = lens[r], n_blocks = (len + bs - 1) / bs;
       // A bad batch is a caller's bug: flag it (no throwing inside the parallel region), read nothing.
-      bool ok = len >= 1 && n_blocks <= table_width;
+      bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
       for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
       if (!ok) {
         bad = true;
@@ -304,14 +356,20 @@ void decode_attention_impl(T* out, const T* query, const T* kc, const T* vc, con
       }
       const int64_t stride = (n_blocks * bs + kF - 1) / kF * kF;  // a score row, whole vectors
       const int64_t* table = tables + s * table_width;
-      const T* qrow = query + rows[s] * q_stride + h * group * dim;
+      const T* qrow = query + r * q_stride + h * group * dim;
       for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * scale;
       scores.resize(group * stride);
       const int64_t block_base = h * num_blocks;
+      const int64_t block_bytes = dim * bs * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < std::min(kAhead, n_blocks); ++j) {
+        prefetch(kc + (block_base + table[j]) * dim * bs, block_bytes);
+        prefetch(vc + (block_base + table[j]) * dim * bs, block_bytes);
+      }
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t gc = std::min<int64_t>(4, group - g0);
         for (int64_t j = 0; j < n_blocks; ++j) {
           const T* kb = kc + (block_base + table[j]) * dim * bs;
+          if (j + kAhead < n_blocks) prefetch(kc + (block_base + table[j + kAhead]) * dim * bs, block_bytes);
           float* sc = scores.data() + g0 * stride + j * bs;
           const float* qg = q.data() + g0 * dim;
           switch (gc) {
@@ -343,41 +401,43 @@ void decode_attention_impl(T* out, const T* query, const T* kc, const T* vc, con
         const float* p = scores.data() + g0 * stride;
         float* a = acc.data() + g0 * dim;
         switch (gc) {
-          case 1: weighted_values<T, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 2: weighted_values<T, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 3: weighted_values<T, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          default: weighted_values<T, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 1: weighted_values_any<T, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 2: weighted_values_any<T, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 3: weighted_values_any<T, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          default: weighted_values_any<T, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
         }
       }
-      T* orow = out + rows[s] * out_stride + h * group * dim;
+      T* orow = out + r * out_stride + h * group * dim;
       for (int64_t i = 0; i < group * dim; i += kF) {
         const int64_t n = std::min(kF, group * dim - i);
         store_f(orow + i, fVec::loadu(acc.data() + i, n), n);
       }
     }
   });
-  TORCH_CHECK(!bad, "decode_attention: a sequence length is < 1 or beyond its block table, or a block id is outside the cache");
+  TORCH_CHECK(!bad, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
 }
 
-void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be the physical tensors");
+// query/out [rows, heads, head_dim]; row r reads block_tables[row_seq[r]] up to lens[r] keys.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens, double scale) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be the physical tensors");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
-              out.stride(1) == out.size(2), "decode_attention: query/out heads must be contiguous rows");
+              out.stride(1) == out.size(2), "paged_attention: query/out heads must be contiguous rows");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "decode_attention: query, out and cache dtypes must match");
-  auto tables = block_tables.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  auto row_ids = rows.to(at::kLong).contiguous();
+              "paged_attention: query, out and cache dtypes must match");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && row_seq.scalar_type() == at::kLong &&
+              row_seq.is_contiguous() && lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "paged_attention: block_tables, row_seq and lens must be contiguous int64 (kernels/cpu_ops.py plans them)");
   int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
-  int64_t heads = query.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == dim, "decode_attention: query heads do not match the cache");
-  TORCH_CHECK(tables.size(0) == lens.numel() && row_ids.numel() == lens.numel(), "decode_attention: one table, length and row per sequence");
-  PW_DISPATCH(query.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                                    row_ids.data_ptr<int64_t>(), lens.numel(), heads, kv_heads, dim, num_blocks, bs,
-                                    tables.size(1), static_cast<float>(scale), query.stride(0), out.stride(0));
+  int64_t heads = query.size(1), rows = lens.numel();
+  TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == dim, "paged_attention: query heads do not match the cache");
+  TORCH_CHECK(row_seq.numel() == rows && rows <= query.size(0) && rows <= out.size(0), "paged_attention: one sequence and length per query row");
+  PW_DISPATCH(query.scalar_type(), "paged_attention", [&] {
+    attention_rows_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                  v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(),
+                                  lens.data_ptr<int64_t>(), rows, block_tables.size(0), heads, kv_heads, dim, num_blocks, bs,
+                                  block_tables.size(1),
+                                  static_cast<float>(scale), query.stride(0), out.stride(0));
   });
 }
 
@@ -388,5 +448,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store keys and values at their slots");
-  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
+  m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
 }

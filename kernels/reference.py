@@ -51,8 +51,7 @@ class AttentionPlan:
     decodes, their padded key mask and flattened block ids, and each prefill's extent."""
 
     decode_rows: torch.Tensor | None  # query rows of the one-token sequences
-    decode_tables: torch.Tensor | None  # [num_decodes, n_blocks] their block ids (padding entries clamped to 0)
-    decode_lens: torch.Tensor | None  # [num_decodes] their context lengths
+    decode_blocks: torch.Tensor | None  # [num_decodes * n_blocks] block ids, row-major
     decode_valid: torch.Tensor | None  # [num_decodes, 1, n_blocks * block_size]: key slot inside the sequence
     decode_invalid: torch.Tensor | None  # its negation, for an in-place fill
     decode_len: int
@@ -71,16 +70,15 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
             n_blocks = -(-lens[i] // block_size)
             prefills.append((starts[i], starts[i + 1], lens[i], block_tables[i, :n_blocks].long()))
     if not decode:
-        return AttentionPlan(None, None, None, None, None, 0, False, prefills)
+        return AttentionPlan(None, None, None, None, 0, False, prefills)
     dev = block_tables.device
     idx = torch.tensor(decode, device=dev)
     n_blocks = -(-max(lens[i] for i in decode) // block_size)
     padded = n_blocks * block_size
-    lens = seq_lens[idx].to(dev)
-    valid = torch.arange(padded, device=dev)[None, :] < lens[:, None]
-    tables = block_tables[idx, :n_blocks].clamp(min=0).long()
+    valid = torch.arange(padded, device=dev)[None, :] < seq_lens[idx].to(dev)[:, None]
+    blocks = block_tables[idx, :n_blocks].clamp(min=0).long().flatten()
     valid = valid[:, None, :]
-    return AttentionPlan(query_start_loc[idx].long(), tables, lens, valid, ~valid, padded, not prefills, prefills)
+    return AttentionPlan(query_start_loc[idx].long(), blocks, valid, ~valid, padded, not prefills, prefills)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -108,9 +106,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # heads share their KV head through a reshape, not a copy: q [S, Hkv, group, D].
         s = plan.decode_rows.numel()
         # Batched over (KV head, sequence); a KV head's `group` query heads are the rows of one matmul.
-        blocks = plan.decode_tables.flatten()
-        k = _gather(k_cache, blocks, s).to(query.dtype)  # [Hkv, S, L, D]
-        v = _gather(v_cache, blocks, s).to(query.dtype)
+        k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype)  # [Hkv, S, L, D]
+        v = _gather(v_cache, plan.decode_blocks, s).to(query.dtype)
         q = query if plan.all_decode else query[plan.decode_rows]
         q = (q.view(s, num_kv_heads, group, head_dim) * scale).transpose(0, 1).contiguous()  # [Hkv, S, G, D]
         # Slots past a sequence's length hold another request's data (or a padding block's).
@@ -127,16 +124,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             return o
         out[plan.decode_rows] = o
 
-    prefill_attention(query, k_cache, v_cache, plan.prefills, scale, out)
-    return out
-
-
-def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      prefills: list[tuple[int, int, int, torch.Tensor]], scale: float, out: torch.Tensor) -> None:
-    """The plan's prefill chunks into `out`: one sequence at a time, causal with the cached prefix
-    in front, through SDPA (CPU's flash kernel) over that sequence's gathered blocks."""
-    gqa = query.shape[1] != k_cache.shape[2]
-    for first, last, seq_len, blocks in prefills:
+    # Prefill chunks: one sequence at a time, causal with the cached prefix in front.
+    gqa = group != 1
+    for first, last, seq_len, blocks in plan.prefills:
         q_len = last - first
         k = _gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)  # [1, Hkv, L, D]
         v = _gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)
@@ -148,6 +138,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[first:last] = o[0].transpose(0, 1)
+    return out
 
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

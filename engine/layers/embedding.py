@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.parallel.state import tp_all_gather_last_dim, tp_all_reduce, tp_state
 
 
@@ -35,6 +36,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice, gathered so every rank sees the full row."""
 
+    packed_weight = None  # set by engine.layers.linear.pack_weights
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = tp_all_gather_last_dim(kernels.linear(hidden, self.weight, None, self.packed_weight))
         return logits[..., : self.vocab_size]

@@ -4,10 +4,19 @@ rank's shard of a checkpoint tensor, so the loader never needs to know about sha
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.parallel.state import tp_all_reduce, tp_state
+
+
+def pack_weights(model: nn.Module, backend: str) -> None:
+    """Give every matmul weight of the model the backend's packed copy (kernels.pack_linear_weight),
+    once the checkpoint is loaded. The plain weight stays: loaders, tied embeddings and the
+    parameter accounting read it (on CPU this doubles the weights' memory)."""
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            module.packed_weight = kernels.pack_linear_weight(module.weight, backend)
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -25,6 +34,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A's output rows split across ranks; no communication."""
 
+    packed_weight = None  # set by pack_weights
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         tp = tp_state()
@@ -38,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -91,6 +102,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x A^T with A's input columns split across ranks; partial sums are all-reduced."""
 
+    packed_weight = None  # set by pack_weights
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         tp = tp_state()
@@ -105,5 +118,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(kernels.linear(x, self.weight, None, self.packed_weight))
         return y + self.bias if self.bias is not None else y

@@ -68,18 +68,25 @@ def test_head_dims(head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batch_with_strided_query(dtype):
-    # Decodes among prefill chunks (one after a cached prefix ending mid-block): the cpu backend
-    # runs the decodes in C++ and the chunks through the reference's SDPA, into one output.
+    # Decodes among prefill chunks (one after a cached prefix ending mid-block, one a whole
+    # prompt), each prefill row causal over its own sequence, padding rows after the last.
     b = make_batch([1, 7, 1, 30, 1], [90, 21 + 7, 1, 30, 17], strided_query=True, dtype=dtype, pad_rows=2)
     run(b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prompt_and_prefix_continuation(dtype):
+    run(make_batch([300, 40], [300, 257 + 40], block_size=16, dtype=dtype, seed=11))
+
+
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=6), group=st.sampled_from([1, 2, 4, 6]),
-       block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
-def test_random_decode_batches(lens, group, block_size, seed):
-    run(make_batch([1] * len(lens), lens, group=group, block_size=block_size, seed=seed, num_kv_heads=2,
-                   head_dim=32))
+@given(seqs=st.lists(st.tuples(st.integers(1, 120), st.integers(0, 40)), min_size=1, max_size=6),
+       group=st.sampled_from([1, 2, 4, 6]), block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
+def test_random_batches(seqs, group, block_size, seed):
+    # (new queries, cached prefix) per sequence: decodes, whole prompts and continued chunks mixed.
+    q_lens = [q for q, _ in seqs]
+    run(make_batch(q_lens, [q + p for q, p in seqs], group=group, block_size=block_size, seed=seed,
+                   num_kv_heads=2, head_dim=32))
 
 
 def test_bad_block_table_is_an_error_not_a_read():
