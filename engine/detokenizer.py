@@ -43,14 +43,20 @@ class IncrementalDetokenizer:
         return self._check_stop(len(delta))
 
     def _check_stop(self, delta_len: int) -> str | None:
+        """End at the stop string that occurs first in the text (one token's text can complete
+        several); at equal starts, the longer one."""
+        best = None
         for stop in self.stop:
             # Only a match that ends inside the new text is new.
             start = max(0, len(self.text) - delta_len - len(stop) + 1)
             idx = self.text.find(stop, start)
-            if idx != -1:
-                self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
-                return stop
-        return None
+            if idx != -1 and (best is None or (idx, -len(stop)) < (best[0], -len(best[1]))):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
+        return stop
 
     def output_text(self, finished: bool) -> str:
         if finished or not self.holdback:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from tests.engine.hf_oracle import hf_greedy
@@ -71,3 +73,24 @@ def test_incremental_detokenization_never_emits_broken_characters(tiny_llm):
         assert "\ufffd" not in seen[-1]
     assert seen[-1] == tok.decode(ids) == text
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), "streamed text is only ever appended to"
+
+
+class _CharTokenizer:
+    """Token i decodes to PIECES[i]: one token can complete several stop strings at once."""
+
+    PIECES = ["<p>", "ab", "xyz", "cd"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("stop, include, want_text, want_stop", [
+    (["z", "y"], False, "abx", "y"),  # listed second, but earlier in the text
+    (["yz", "y"], False, "abx", "yz"),  # same start: the longer one
+    (["z", "xy"], True, "abxy", "xy"),
+])
+def test_the_earliest_stop_string_in_the_text_ends_it(stop, include, want_text, want_stop):
+    detok = IncrementalDetokenizer(_CharTokenizer(), [0], stop=stop, include_stop_str_in_output=include)
+    assert detok.add_token(1) is None
+    assert detok.add_token(2) == want_stop
+    assert detok.output_text(finished=True) == want_text
