@@ -63,6 +63,17 @@ inline fVec round_to(const fVec& x) {
   }
 }
 
+// exp for an op whose result is rounded to T: Sleef's 1-ulp exp for float32 (what torch's own
+// kernels use), ATen's faster polynomial (about 2 ulp of float) where the result becomes 16-bit.
+template <typename T>
+inline fVec exp_for(const fVec& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp();
+  } else {
+    return x.exp_u20();
+  }
+}
+
 template <typename T>
 inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
@@ -192,7 +203,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         for (int64_t d = 0; d < inter; d += kF) {
           int64_t n = std::min(kF, inter - d);
           fVec gv = load_f(g + d, n);
-          fVec act = round_to<scalar_t>(gv / (one + gv.neg().exp()));
+          fVec act = round_to<scalar_t>(gv / (one + exp_for<scalar_t>(gv.neg())));
           store_f(o + t * inter + d, act * load_f(u + d, n), n);
         }
       }
@@ -389,7 +400,7 @@ void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const
         const fVec top(mx.reduce_max());
         fVec total(0.f);
         for (int64_t k = 0; k < stride; k += kF) {
-          fVec e = (fVec::loadu(sc + k) - top).exp();
+          fVec e = exp_for<T>(fVec::loadu(sc + k) - top);
           e.store(sc + k);
           total = total + e;
         }
