@@ -13,6 +13,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
+from engine.host_memory import keep_freed_memory
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
@@ -70,8 +71,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         self.attn_backend = kernels.resolve_backend(config.attention_backend, self.device.type)
         hf = source.hf_config
         self.hf_config = hf
