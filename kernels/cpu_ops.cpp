@@ -255,7 +255,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   });
 }
 
-// ---- paged decode attention ---------------------------------------------------------------------
+// ---- paged attention ---------------------------------------------------------------------------
 
 // Ask for a block's cache lines before they are needed: the blocks of a sequence are scattered
 // over the cache, so the hardware prefetcher cannot guess the next one, and a decode step streams
