@@ -12,8 +12,8 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata
 from engine.host_memory import keep_freed_memory
+from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
@@ -198,7 +198,8 @@ class ModelRunner:
         out = StepLogits(sample_reqs, None)
         if sample_rows:
             rows = torch.tensor(sample_rows, device=dev)
-            out.sample_logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows], self.attn_backend))
+            h = self.model.final_hidden(hidden[rows], residual[rows], self.attn_backend)
+            out.sample_logits = self.model.compute_logits(h)
         for req, first_token, a, b in prompt_rows:
             h = self.model.final_hidden(hidden[a:b], residual[a:b], self.attn_backend)
             out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))

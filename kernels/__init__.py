@@ -19,6 +19,9 @@ import importlib
 import logging
 import os
 
+import torch
+import torch.nn.functional as F
+
 from kernels import reference
 
 logger = logging.getLogger(__name__)
@@ -127,8 +130,6 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
         return _ops("cpu").allocate_kv_cache(*shape, dtype, device)
     if backend == "torch":
         return tuple(reference.allocate_kv_cache(*shape, dtype, device) for _ in range(2))
-    import torch
-
     return tuple(torch.zeros(*shape, dtype=dtype, device=device) for _ in range(2))
 
 
@@ -163,6 +164,4 @@ def linear(x, weight, bias=None, packed=None):
     """x @ weight.T + bias, through `packed` when pack_linear_weight made one."""
     if packed is not None:
         return _ops("cpu").linear(x, packed, bias)
-    import torch.nn.functional as F
-
     return F.linear(x, weight, bias)

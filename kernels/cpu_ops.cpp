@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -51,15 +52,36 @@ inline void store_f(T* p, const fVec& v, int64_t n = kF) {
   }
 }
 
-// x rounded to T and back: where the reference materializes a 16-bit intermediate.
+// Pairs of float vectors: a 16-bit vector holds 2 * kF lanes, and converting both halves at once
+// costs what converting one does, so the elementwise ops walk their rows 2 * kF at a time.
+constexpr int64_t kP = 2 * kF;
+
+// n <= kP elements of T as two float vectors (lanes past n are zero).
 template <typename T>
-inline fVec round_to(const fVec& x) {
+inline void load2(const T* p, int64_t n, fVec& lo, fVec& hi) {
   if constexpr (std::is_same_v<T, float>) {
-    return x;
+    lo = fVec::loadu(p, std::min(n, kF));
+    hi = n > kF ? fVec::loadu(p + kF, n - kF) : fVec(0.f);
   } else {
-    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(x, x));
-    (void)hi;
-    return lo;
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, n));
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const fVec& lo, const fVec& hi, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(p, std::min(n, kF));
+    if (n > kF) hi.store(p + kF, n - kF);
+  } else {
+    at::vec::convert_from_float<T>(lo, hi).store(p, n);
+  }
+}
+
+// Both vectors rounded to T and back: where the reference materializes a 16-bit intermediate.
+template <typename T>
+inline void round2(fVec& lo, fVec& hi) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(lo, hi));
   }
 }
 
@@ -72,11 +94,6 @@ inline fVec exp_for(const fVec& x) {
   } else {
     return x.exp_u20();
   }
-}
-
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
 }
 
 #define PW_DISPATCH(dtype, NAME, ...)                                                       \
@@ -97,27 +114,35 @@ template <typename T>
 void rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows, int64_t dim,
                    float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(dim);
+    std::vector<float> buf(dim + kP);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       fVec acc(0.f);
-      for (int64_t d = 0; d < dim; d += kF) {
-        int64_t n = std::min(kF, dim - d);
-        fVec v = load_f(xr + d, n);
+      for (int64_t d = 0; d < dim; d += kP) {
+        const int64_t n = std::min(kP, dim - d);
+        fVec lo, hi;
+        load2(xr + d, n, lo, hi);
         if (res != nullptr) {
-          v = round_to<T>(v + load_f(res + r * dim + d, n));
-          store_f(sum_out + r * dim + d, v, n);
+          fVec rlo, rhi;
+          load2(res + r * dim + d, n, rlo, rhi);
+          lo = lo + rlo;
+          hi = hi + rhi;
+          round2<T>(lo, hi);
+          store2(sum_out + r * dim + d, lo, hi, n);
         }
-        v.store(buf.data() + d, n);
-        acc = at::vec::fmadd(v, v, acc);
+        lo.store(buf.data() + d);
+        hi.store(buf.data() + d + kF);  // lanes past n are zero: the sum of squares is unchanged
+        acc = at::vec::fmadd(lo, lo, at::vec::fmadd(hi, hi, acc));
       }
-      float inv = 1.f / std::sqrt(acc.reduce_add() / static_cast<float>(dim) + eps);
-      fVec vinv(inv);
-      for (int64_t d = 0; d < dim; d += kF) {
-        int64_t n = std::min(kF, dim - d);
+      const fVec inv(1.f / std::sqrt(acc.reduce_add() / static_cast<float>(dim) + eps));
+      for (int64_t d = 0; d < dim; d += kP) {
+        const int64_t n = std::min(kP, dim - d);
         // transformers: weight * (x * inv).to(dtype), the product rounded again.
-        fVec y = round_to<T>(fVec::loadu(buf.data() + d, n) * vinv) * load_f(w + d, n);
-        store_f(out + r * dim + d, y, n);
+        fVec lo = fVec::loadu(buf.data() + d) * inv, hi = fVec::loadu(buf.data() + d + kF) * inv;
+        round2<T>(lo, hi);
+        fVec wlo, whi;
+        load2(w + d, n, wlo, whi);
+        store2(out + r * dim + d, lo * wlo, hi * whi, n);
       }
     }
   });
@@ -156,17 +181,25 @@ void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * half;
       const T* s = sin + t * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x1 = x + t * token_stride + h * head_stride;
-        T* x2 = x1 + half;
-        for (int64_t d = 0; d < half; d += kF) {
-          int64_t n = std::min(kF, half - d);
-          fVec a = load_f(x1 + d, n), b = load_f(x2 + d, n);
-          fVec cv = load_f(c + d, n), sv = load_f(s + d, n);
-          fVec y1 = round_to<T>(a * cv) - round_to<T>(b * sv);
-          fVec y2 = round_to<T>(b * cv) + round_to<T>(a * sv);
-          store_f(x1 + d, y1, n);
-          store_f(x2 + d, y2, n);
+      for (int64_t d = 0; d < half; d += kP) {
+        const int64_t n = std::min(kP, half - d);
+        fVec clo, chi, slo, shi;
+        load2(c + d, n, clo, chi);
+        load2(s + d, n, slo, shi);
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x1 = x + t * token_stride + h * head_stride + d;
+          T* x2 = x1 + half;
+          fVec alo, ahi, blo, bhi;
+          load2(x1, n, alo, ahi);
+          load2(x2, n, blo, bhi);
+          fVec ac_lo = alo * clo, ac_hi = ahi * chi, bs_lo = blo * slo, bs_hi = bhi * shi;
+          fVec bc_lo = blo * clo, bc_hi = bhi * chi, as_lo = alo * slo, as_hi = ahi * shi;
+          round2<T>(ac_lo, ac_hi);
+          round2<T>(bs_lo, bs_hi);
+          round2<T>(bc_lo, bc_hi);
+          round2<T>(as_lo, as_hi);
+          store2(x1, ac_lo - bs_lo, ac_hi - bs_hi, n);
+          store2(x2, bc_lo + as_lo, bc_hi + as_hi, n);
         }
       }
     }
@@ -200,11 +233,14 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* g = in + t * 2 * inter;
         const scalar_t* u = g + inter;
-        for (int64_t d = 0; d < inter; d += kF) {
-          int64_t n = std::min(kF, inter - d);
-          fVec gv = load_f(g + d, n);
-          fVec act = round_to<scalar_t>(gv / (one + exp_for<scalar_t>(gv.neg())));
-          store_f(o + t * inter + d, act * load_f(u + d, n), n);
+        for (int64_t d = 0; d < inter; d += kP) {
+          const int64_t n = std::min(kP, inter - d);
+          fVec glo, ghi, ulo, uhi;
+          load2(g + d, n, glo, ghi);
+          load2(u + d, n, ulo, uhi);
+          fVec alo = glo / (one + exp_for<scalar_t>(glo.neg())), ahi = ghi / (one + exp_for<scalar_t>(ghi.neg()));
+          round2<scalar_t>(alo, ahi);
+          store2(o + t * inter + d, alo * ulo, ahi * uhi, n);
         }
       }
     });

@@ -21,13 +21,19 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_matches_transformers_with_chunking_and_preemption(family, tiny_models):
+# CPU's default backend (C++ kernels, packed matmuls) for every family; the pure-torch reference
+# backend, the CPU fallback, for two (Llama GQA, and Qwen3 with q/k norms).
+CASES = [(family, "cpu") for family in sorted(FAMILIES)] + [("llama", "torch"), ("qwen3", "torch")]
+
+
+@pytest.mark.parametrize("family, backend", CASES)
+def test_greedy_matches_transformers_with_chunking_and_preemption(family, backend, tiny_models):
     path = tiny_models(family)
     # 30 blocks of 16 = 480 tokens for 12 prompts of up to 310 tokens: they cannot all fit,
     # so the scheduler must preempt; a 64-token budget splits every longer prompt into chunks.
     llm = LLM(path, num_kv_blocks=30, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=480, seed=0)
+              max_model_len=480, seed=0, attention_backend=backend)
+    assert llm.engine.runner.attn_backend == backend
     prompts = _prompts(llm.engine.vocab_size, seed=zlib.crc32(family.encode()))
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)

@@ -192,3 +192,19 @@ def test_backend_resolution_on_cpu(monkeypatch):
     assert kernels.resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
         kernels.resolve_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_float64(dtype):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 40, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    packed = kernels.pack_linear_weight(w, backend="cpu")
+    assert packed is not None and kernels.pack_linear_weight(w, backend="torch") is None
+    for x in (torch.randn(1, 40, generator=gen), torch.randn(64, 40, generator=gen), torch.randn(2, 5, 40, generator=gen)):
+        x = x.to(dtype)
+        want = F.linear(x.double(), w.double(), bias.double())
+        got = kernels.linear(x, w, bias, packed)
+        assert got.dtype == dtype and got.shape == want.shape
+        tol = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 1.6e-2)  # bf16: one output rounding
+        torch.testing.assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
