@@ -2,10 +2,8 @@
 attention, the KV store and the fused elementwise ops, and oneDNN matmuls on prepacked weights.
 
 Attention: every query row of a step, decode or prefill, is one work item reading its sequence's
-blocks in place (a prefill row causally, up to its own position). Measured on the default model
-(2 cores, bf16): 77 GFLOP/s for a 64-sequence decode where the reference's gathers and batched
-matmuls reach 28, and 5x the SDPA flash kernel on 128-token prompts, whose per-call overhead
-dominates at these sizes.
+blocks in place (a prefill row causally, up to its own position). `python -m kernels.cpu_bench`
+measures each op against the reference (BENCHMARKS.md).
 
 Cache layout: keys transposed within each block (kernels/cpu_ops.cpp says why), values as rows.
 Both tensors are handed out as the reference's logical [num_blocks, block_size, num_kv_heads,
@@ -14,12 +12,15 @@ head_dim] views, so every logical consumer (copy_blocks, tests) reads them as an
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels import reference
 from kernels.cpu_build import load
+
+logger = logging.getLogger(__name__)
 
 copy_blocks = reference.copy_blocks
 
@@ -81,7 +82,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     1.2-1.5x, float32 2-3x (F.linear's float32 path is MKL's sgemm)."""
     if not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
+    try:  # torch's private op (inductor's CPU freezing packs weights with it): absent, use F.linear
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
+    except (AttributeError, RuntimeError) as e:
+        logger.warning("oneDNN weight packing unavailable (%s); matmuls use F.linear", e)
+        return None
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -208,3 +208,15 @@ def test_packed_linear_matches_float64(dtype):
         assert got.dtype == dtype and got.shape == want.shape
         tol = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 1.6e-2)  # bf16: one output rounding
         torch.testing.assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
+
+
+def test_cache_dtype_unlike_the_query_takes_the_reference_path():
+    # kv_cache_dtype="bfloat16" under a float32 model: the C++ op wants one dtype, so the cpu
+    # backend hands such a batch to the reference, which reads its cache layout like any other.
+    b = make_batch([1, 5, 1], [30, 5, 17], dtype=torch.float32, seed=4)
+    b.k_cache, b.v_cache = b.k_cache.bfloat16(), b.v_cache.bfloat16()
+    want = reference.paged_attention(*b.args())
+    b = to_cpu_layout(b)
+    got = kernels.paged_attention(*b.args(), backend="cpu")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got[:b.num_tokens], want[:b.num_tokens])
