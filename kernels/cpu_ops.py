@@ -39,7 +39,7 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
     starts, lens = query_start_loc.long(), seq_lens.long()
     q_lens = starts[1:] - starts[:-1]
     num_seqs, num_rows = lens.numel(), int(starts[-1])
-    if num_rows == num_seqs:  # every sequence decodes one token: row i is sequence i
+    if num_rows == num_seqs and bool((q_lens == 1).all()):  # all decodes: row i is sequence i
         return RowPlan(block_tables.long().contiguous(), torch.arange(num_seqs), lens.contiguous())
     row_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
     # Row r of sequence i is its (ends[i] - r)-th last query, at position seq_len - (ends[i] - r).

@@ -74,6 +74,11 @@ def test_mixed_batch_with_strided_query(dtype):
     run(b)
 
 
+def test_sequence_without_new_queries():
+    # As many rows as sequences, yet not one row each: a sequence with no new query this step.
+    run(make_batch([0, 2, 1], [5, 7, 9], seed=2))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_prompt_and_prefix_continuation(dtype):
     run(make_batch([300, 40], [300, 257 + 40], block_size=16, dtype=dtype, seed=11))
