@@ -1,5 +1,5 @@
-// CPU kernels for the engine's hot path: paged decode attention straight from the block tables,
-// the KV-cache store, and the fused elementwise ops around the matmuls (residual add + RMSNorm,
+// CPU kernels for the engine's hot path: paged attention straight from the block tables (decode
+// and prefill rows alike), the KV-cache store, and the fused elementwise ops around the matmuls (residual add + RMSNorm,
 // rotary, SwiGLU). Built on first use by kernels/cpu_build.py with ATen's SIMD types
 // (at::vec::Vectorized) for the CPU capability torch reports, threaded with at::parallel_for.
 //
@@ -21,9 +21,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <tuple>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
