@@ -12,11 +12,22 @@ from engine.parallel.state import tp_all_reduce, tp_state
 
 def pack_weights(model: nn.Module, backend: str) -> None:
     """Give every matmul weight of the model the backend's packed copy (kernels.pack_linear_weight),
-    once the checkpoint is loaded. The plain weight stays: loaders, tied embeddings and the
-    parameter accounting read it (on CPU this doubles the weights' memory)."""
+    once the checkpoint is loaded, and free the plain copy where nothing else reads it (a tied LM
+    head shares its weight with the embedding, which keeps it)."""
+    unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
+                      for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if hasattr(module, "packed_weight"):
-            module.packed_weight = kernels.pack_linear_weight(module.weight, backend)
+        if not hasattr(module, "packed_weight"):
+            continue
+        module.packed_weight = kernels.pack_linear_weight(module.weight, backend)
+        if module.packed_weight is not None and id(module.weight) not in unpacked_users:
+            module.weight.data = module.weight.data.new_empty(0)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights pack_weights made (not among the model's parameters)."""
+    return sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in model.modules()
+               if getattr(m, "packed_weight", None) is not None)
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
