@@ -40,6 +40,10 @@ class EngineShuttingDownError(EngineOverloadedError):
     """The engine is draining for shutdown and admits nothing new."""
 
 
+class RequestFailedError(RuntimeError):
+    """Processing this one request failed inside the engine (HTTP 500); the engine serves on."""
+
+
 class _RequestStream:
     """The newest output of one request, handed from the engine thread to its consumer."""
 
@@ -107,6 +111,7 @@ class AsyncEngine:
                           "num_requests_failed": 0}
         self._shutdown_task: asyncio.Future | None = None
         self._dead: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], object]] = []
         # Filled in by start() from the core.
         self.tokenizer = None
         self.model_name: str = ""
@@ -146,6 +151,16 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30.0)
 
     @property
+    def died(self) -> BaseException | None:
+        """What stopped the engine loop (a failed forward, a dead worker), or None."""
+        return self._dead
+
+    def on_death(self, callback: Callable[[BaseException], object]) -> None:
+        """Call `callback(cause)` on the event loop once the engine loop has died (the server
+        uses it to exit, so that a supervisor restarts it)."""
+        self._death_callbacks.append(callback)
+
+    @property
     def is_healthy(self) -> bool:
         try:
             self.check_health()
@@ -172,7 +187,7 @@ class AsyncEngine:
         ValueError when the core rejects the request, EngineDeadError when the loop died.
         Closing the iterator early aborts the request and frees its blocks.
         """
-        stream = self._admit(request_id, prompt_token_ids, prompt)
+        stream = self._admit(request_id, prompt_token_ids, prompt, sampling_params.n)
         self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt))
         self._wake.set()
         if self.config.log_requests:
@@ -200,7 +215,17 @@ class AsyncEngine:
         self._commands.append(("abort", ids))
         self._wake.set()
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None) -> _RequestStream:
+    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """The core's checks against the model and the limits (a ValueError naming the field),
+        run here so that the server can answer 400 before it queues anything. Reads only what
+        the core fixed at start."""
+        self.check_health()
+        check = getattr(self._core, "check_request", None)
+        if check is not None:
+            check(prompt_token_ids, sampling_params)
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
+               num_seqs: int) -> _RequestStream:
         if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1
             raise EngineShuttingDownError("server is shutting down")
@@ -208,25 +233,32 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         with self._lock:
-            if self._queue_full_locked():
+            if self._queue_full_locked(num_seqs):
                 self._counters["num_requests_rejected"] += 1
                 raise EngineOverloadedError(
-                    f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})")
-            self._num_pending += 1
+                    f"too many waiting sequences (max_waiting_requests={self.config.max_waiting_requests}, "
+                    "each of a request's n choices counts)")
+            self._num_pending += num_seqs
         self._counters["num_requests_admitted"] += 1
         stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt)
         return stream
 
-    def _queue_full_locked(self) -> bool:
+    def _queue_full_locked(self, num_seqs: int) -> bool:
         limit = self.config.max_waiting_requests
         if limit is None:
             return False
-        # A request "waits" when it cannot get a sequence slot now: count the core's waiting
-        # queue plus requests not yet handed over, minus the slots still free.
+        # A sequence "waits" when it cannot get a slot now: count the core's waiting sequences
+        # plus those not yet handed over and this request's, minus the slots still free.
         s = self._core_stats
         free_slots = max(0, self.config.max_num_seqs - s.get("num_running", 0))
-        would_wait = s.get("num_waiting", 0) + self._num_pending - free_slots
-        return would_wait >= limit
+        waiting = s.get("num_waiting_seqs", s.get("num_waiting", 0))
+        return waiting + self._num_pending + num_seqs - free_slots > limit
+
+    @property
+    def max_admissible_seqs(self) -> int | None:
+        """The most sequences (prompts x n) one request can ever be admitted with."""
+        limit = self.config.max_waiting_requests
+        return None if limit is None else self.config.max_num_seqs + limit
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -234,7 +266,7 @@ class AsyncEngine:
         with self._lock:
             stats = dict(self._core_stats)
             pending = self._num_pending
-        stats["num_waiting"] = stats.get("num_waiting", 0) + pending  # not-yet-handed-over requests wait too
+        stats["num_waiting"] = stats.get("num_waiting", 0) + pending  # not-yet-handed-over sequences wait too
         stats["num_pending"] = pending
         stats.update(self._counters)
         stats["healthy"] = self.is_healthy
@@ -291,7 +323,7 @@ class AsyncEngine:
                     rejected.append((request_id, RuntimeError(f"internal error: {type(e).__name__}")))
                 finally:
                     with self._lock:
-                        self._num_pending -= 1
+                        self._num_pending -= params.n
             else:
                 core.abort_request(command[1])
         if changed:
@@ -310,7 +342,12 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if output.error is not None:  # the core failed this request alone
+                self._counters["num_requests_failed"] += 1
+                stream.fail(RequestFailedError(output.error))
+            else:
                 stream.put(output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
@@ -322,6 +359,11 @@ class AsyncEngine:
         for request_id, stream in list(self._streams.items()):
             self._counters["num_requests_failed"] += 1
             stream.fail(EngineDeadError(f"engine loop stopped: {type(cause).__name__}"))
+        for callback in self._death_callbacks:
+            try:
+                callback(cause)
+            except Exception:
+                logger.exception("engine death callback failed")
 
 
 def _default_core_factory(config: EngineConfig):

@@ -1,49 +1,84 @@
-"""EngineConfig: every engine knob in one dataclass, validated once at the edge."""
+"""EngineConfig: every engine knob in one dataclass, validated once at the edge.
+
+Each field's help text lives next to it (`metadata["help"]`): engine/arg_utils.py turns the
+fields into the command-line flags of `engine serve | generate | bench` (and `engine plan`
+where a setting means something there), so a knob has one name and one description everywhere.
+This module imports nothing heavy: `engine plan` shares its vocabulary and must start instantly.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+def canonical_dtype(name: str) -> str:
+    """`half` -> `float16`, `bf16` -> `bfloat16`, ...; any other name is returned as given."""
+    return DTYPE_ALIASES.get(str(name).lower(), name)
+
+
+def _knob(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # folder, .gguf file, or None for the embedded default model
-    tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    kv_cache_dtype: str = "auto"  # auto: same as dtype
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    block_size: int = 16
+    model: str | None = _knob(None, "a Hugging Face model folder (config.json + *.safetensors) or a .gguf file "
+                                    "(default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _knob(None, "tokenizer folder (default: the model's own)")
+    chat_template: str | None = _knob(None, "chat template replacing the tokenizer's own: a file, or the Jinja "
+                                            "text itself (default: the tokenizer's template)")
+    dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
+                               "float/fp32 = float32; auto: bfloat16 on CUDA, float32 on CPU")
+    kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype; auto: the same as --dtype")
+    device: str = _knob("auto", "auto: cuda when torch sees a GPU, else cpu")
+    seed: int = _knob(0, "seed of the sampler's random generator: the same seed and prompts give the same "
+                         "output; a request's own seed (the API's `seed`) overrides it for that request")
+    max_model_len: int | None = _knob(None, "context window in tokens, prompt and output together (default: the "
+                                            "model's max_position_embeddings, lowered to what the KV cache holds)")
+    block_size: int = _knob(16, "tokens per KV cache block")
     # KV cache size: on CPU a fixed budget; on CUDA a fraction of the device minus the
-    # profiled peak of a forward pass. num_gpu_blocks overrides both (tests, debugging).
-    kv_cache_memory: int = 2 * GiB
-    gpu_memory_utilization: float = 0.90
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    max_waiting_requests: int | None = None  # AsyncEngine admission bound; None = unbounded
-    log_requests: bool = False  # prompts and outputs stay out of the logs unless asked
+    # profiled peak of a forward pass. num_kv_blocks overrides both (tests, debugging).
+    kv_cache_memory: int = _knob(2 * GiB, "KV cache budget on CPU, in bytes or with a unit (512MiB, 4GiB, 4GB); "
+                                          "on CUDA --gpu-memory-utilization sizes the cache instead")
+    gpu_memory_utilization: float = _knob(0.90, "CUDA: the fraction of the GPU's memory the engine may use "
+                                                "(weights, activations and KV cache)")
+    num_kv_blocks: int | None = _knob(None, "a fixed number of KV cache blocks, overriding both budgets "
+                                            "(default: sized from the budget)")
+    max_num_seqs: int = _knob(256, "most sequences running at once (one batch)")
+    max_num_batched_tokens: int = _knob(2048, "token budget of one engine step: prefill and decode tokens "
+                                              "of one forward pass")
+    enable_chunked_prefill: bool = _knob(True, "split a long prompt's prefill over several steps")
+    enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
+    attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
+                                           "auto picks by device")
+    num_threads: int | None = _knob(None, "CPU: torch intra-op threads (default: torch's own, one per core)")
+    tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
+    pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
+    data_parallel_size: int = _knob(1, "independent engine replicas behind one server")
+    # Admission: sequences (prompts x n) that may wait for a slot beyond the max_num_seqs running
+    # ones; past it a request gets a 503 (and one that could never fit, a 400). None = unbounded.
+    max_waiting_requests: int | None = _knob(1024, "sequences (prompts x n) that may wait beyond the "
+                                                   "--max-num-seqs running ones; past it a request gets "
+                                                   "503; none: unbounded")
+    max_logprobs: int = _knob(20, "the largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
+    log_requests: bool = _knob(False, "log each request's prompt and output (off: they stay out of the logs)")
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
+        self.dtype = canonical_dtype(self.dtype)
+        self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         check(self.kv_cache_dtype in DTYPES, "kv_cache_dtype", f"one of {DTYPES}")
         check(self.device in DEVICES, "device", f"one of {DEVICES}")
@@ -60,6 +95,7 @@ class EngineConfig:
             check(getattr(self, name) >= 1, name, ">= 1")
         check(self.max_waiting_requests is None or self.max_waiting_requests >= 0,
               "max_waiting_requests", "None or >= 0")
+        check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):
@@ -67,7 +103,26 @@ class EngineConfig:
                     f"model path {self.model!r} does not exist: pass a folder with config.json and "
                     "*.safetensors, a .gguf file, or no model for the embedded default"
                 )
+        if self.chat_template is not None:
+            self._check_chat_template()
+
+    def _check_chat_template(self) -> None:
+        # A template is Jinja text ({{ ... }} / {% ... %}); anything else must be a file that exists,
+        # so a mistyped path fails here rather than becoming a template that prints the path.
+        text = str(self.chat_template)
+        if "{" in text:
+            return
+        path = os.path.expanduser(text)
+        if not os.path.isfile(path):
+            raise ValueError(f"chat_template {text!r} is neither a file nor a Jinja template: "
+                             "pass a template file's path or the template text")
+        self.chat_template = path
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The help text of one field (the flag's, and the docs')."""
+        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)

@@ -18,6 +18,8 @@ from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+_FAILED = object()  # what _guarded returns when the call failed its request
+
 
 @dataclass
 class _Group:
@@ -31,17 +33,18 @@ class _Group:
     detokenizers: list[IncrementalDetokenizer]
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
-
-    def live_streams(self) -> list[Request]:
-        return [s for s in self.streams if s is not None and not s.is_finished]
+    ended: bool = False  # aborted or failed: choices never started are finished too
 
     @property
     def finished(self) -> bool:
-        return all(s is not None and s.is_finished for s in self.streams)
+        return self.ended or all(s is not None and s.is_finished for s in self.streams)
 
 
-def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """A prompt the engine can take (also checked up front by the data-parallel front)."""
+def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                  max_num_seqs: int, max_logprobs: int) -> None:
+    """What the model and this engine's limits allow, beyond SamplingParams' own checks. Raises a
+    ValueError whose message starts with the field's name. Every front (EngineCore, the
+    data-parallel front, the server before it queues anything) calls this one function."""
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
@@ -50,12 +53,26 @@ def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
         raise ValueError(
             f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
             "which must leave room for at least one generated token: shorten the prompt")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), the sequences this server runs "
+                         f"at once, got {params.n}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]}")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(params, name)
+        if v is not None and v > max_logprobs:
+            raise ValueError(f"{name} must be at most max_logprobs ({max_logprobs}), got {v}")
+
+
+class RequestFailed(RuntimeError):
+    """Processing one request's step data raised: that request ends, the engine goes on."""
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        source = resolve_model(config.model, config.tokenizer)
+        source = resolve_model(config.model, config.tokenizer, config.chat_template)
         self.tokenizer = source.tokenizer
         self.model_name = source.name
         self.eos_token_ids = source.eos_token_ids
@@ -94,7 +111,7 @@ class EngineCore:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        check_prompt(ids, self.vocab_size, self.max_model_len)
+        self.check_request(ids, sampling_params)
         p = sampling_params
         group = _Group(request_id, prompt, ids, p, [None] * p.n,
                        [IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop,
@@ -104,19 +121,36 @@ class EngineCore:
         self.groups[request_id] = group
         self.scheduler.add(first)
 
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                      max_num_seqs=self.config.max_num_seqs, max_logprobs=self.config.max_logprobs)
+
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Free the requests' blocks now; each is reported once more, finished with reason "abort"."""
+        """Free the requests' blocks now; each is reported once more, finished with reason "abort".
+        O(1) per request (per started choice), however many others are queued."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self.groups.pop(rid, None)
-            if group is None:
-                continue
-            for i, s in enumerate(group.streams):
-                if s is None:
-                    s = group.streams[i] = Request(rid, group.prompt_token_ids, group.params, index=i)
-                if not s.is_finished:
-                    s.finish_reason = "abort"
-                    self.scheduler.finish(s)
-            self._aborted.append(self._output(group))
+            if group is not None:
+                self._finish_group(group, "abort")
+                self._aborted.append(self._output(group))
+
+    def _finish_group(self, group: _Group, reason: str) -> None:
+        group.ended = True
+        for s in group.streams:
+            if s is not None and not s.is_finished:
+                s.finish_reason = reason
+                self.scheduler.finish(s)
+
+    def _fail(self, group: _Group, error: BaseException) -> None:
+        """One request's step data raised: end that request alone, with an error output."""
+        logger.error("request %s failed; the engine goes on", group.request_id, exc_info=error)
+        self.groups.pop(group.request_id, None)
+        self._finish_group(group, "abort")
+        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                            [CompletionOutput(i, "", [], finish_reason="abort") for i in range(group.params.n)],
+                            finished=True, error=f"internal error while processing the request "
+                                                 f"({type(error).__name__})")
+        self._aborted.append(out)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._aborted)
@@ -124,6 +158,8 @@ class EngineCore:
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One forward for the scheduled batch. Only the forward may raise out of here: anything
+        that fails on one request's data afterwards (sampling, stops, output) fails that request."""
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.has_work():
             return outputs
@@ -135,30 +171,69 @@ class EngineCore:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
         for req, first_token, rows in logits.prompt_logits:
-            self._record_prompt_logprobs(req, first_token, rows)
+            self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, rows)
         rows, reqs = [], []
         for i, req in enumerate(logits.sample_reqs):
+            if req.request_id not in self.groups:
+                continue  # failed above
             rows.append(i)
             reqs.append(req)
             if not req.forked:
-                for child in self._fork(req):
+                for child in self._guarded(req.request_id, self._fork, req) or ():
                     rows.append(i)
                     reqs.append(child)
         touched: dict[str, _Group] = {}
-        if reqs:
-            sample_logits = logits.sample_logits if rows == list(range(len(rows))) else logits.sample_logits[rows]
-            for req, result in zip(reqs, self.sampler(sample_logits, reqs)):
-                group = self.groups[req.request_id]
-                if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
-                    self.prompt_tokens_total += req.num_prompt_tokens
-                    group.num_cached_tokens = req.num_cached_tokens
-                self._append_token(group, req, result)
+        for req, result in self._sample(logits.sample_logits, rows, reqs):
+            group = self.groups.get(req.request_id)
+            if group is None:
+                continue  # failed while sampling or on an earlier choice
+            if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
+                self.prompt_tokens_total += req.num_prompt_tokens
+                group.num_cached_tokens = req.num_cached_tokens
+            if self._guarded(req.request_id, self._append_token, group, req, result) is not _FAILED:
                 touched[req.request_id] = group
         for group in touched.values():
-            outputs.append(self._output(group))
-            if group.finished:
-                del self.groups[group.request_id]
-        return outputs
+            if group.request_id not in self.groups:
+                continue
+            out = self._guarded(group.request_id, self._output, group)
+            if out is not _FAILED:
+                outputs.append(out)
+                if group.finished:
+                    del self.groups[group.request_id]
+        return outputs + self._take_failed()
+
+    def _guarded(self, request_id: str, fn, *args):
+        """fn(*args); if it raises, fail that request (not the engine) and return _FAILED."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            group = self.groups.get(request_id)
+            if group is not None:
+                self._fail(group, e)
+            return _FAILED
+
+    def _take_failed(self) -> list[RequestOutput]:
+        failed, self._aborted = self._aborted, []
+        return failed
+
+    def _sample(self, logits, rows: list[int], reqs: list[Request]) -> list[tuple[Request, SampleResult]]:
+        """Sample all rows at once; if the batch raises, sample each request alone, so that only
+        the request whose data makes it raise is failed."""
+        if not reqs:
+            return []
+        batch_logits = logits if rows == list(range(len(rows))) else logits[rows]
+        try:
+            return list(zip(reqs, self.sampler(batch_logits, reqs)))
+        except Exception:
+            logger.warning("batched sampling raised; sampling each request alone to find the one at fault")
+        results = []
+        for i, req in enumerate(reqs):
+            if req.request_id not in self.groups:
+                continue
+            result = self._guarded(req.request_id, self.sampler, batch_logits[i:i + 1], [req])
+            if result is not _FAILED:
+                results.append((req, result[0]))
+        return results
 
     def _fork(self, parent: Request) -> list[Request]:
         """The parent's prompt is done: its n - 1 sibling choices share its blocks from here on."""
@@ -174,7 +249,7 @@ class EngineCore:
                 self.scheduler.add(child)
                 continue
             self.runner.copy_blocks(copies)
-            self.scheduler.running.append(child)
+            self.scheduler.add_running(child)
             children.append(child)
         return children
 
@@ -222,8 +297,8 @@ class EngineCore:
     def _output(self, group: _Group) -> RequestOutput:
         choices = []
         for i, s in enumerate(group.streams):
-            if s is None:
-                choices.append(CompletionOutput(i, "", []))
+            if s is None:  # a choice not forked yet
+                choices.append(CompletionOutput(i, "", [], finish_reason="abort" if group.ended else None))
                 continue
             finished = s.is_finished
             choices.append(CompletionOutput(
@@ -254,7 +329,8 @@ class EngineCore:
         kv = self.kv
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting,
+            "num_waiting_seqs": self.scheduler.num_waiting_seqs,
             "kv_cache_usage": kv.usage,
             "num_used_blocks": kv.num_blocks - kv.num_free_blocks,
             "num_total_blocks": kv.num_blocks,

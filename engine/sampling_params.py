@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 # Upper bounds taken from the OpenAI API where it sets one.
 MAX_N = 128
-MAX_LOGPROBS = 20
+# A seed is what a torch.Generator takes: a 64-bit integer (signed, as vLLM and OpenAI's API use it).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# Temperatures below this sample the argmax anyway (logits / 1e-300 overflow to inf): vLLM treats
+# them as greedy, and so do we.
+GREEDY_TEMPERATURE = 1e-5
+# Dividing a logit by a penalty near 0 overflows it; below this no penalty means anything more.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -41,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def _validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
@@ -68,13 +74,14 @@ class SamplingParams:
               "presence_penalty", "in [-2, 2]")
         check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
               "frequency_penalty", "in [-2, 2]")
-        check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-              "repetition_penalty", "in (0, 10]")
-        check(self.seed is None or is_int(self.seed), "seed", "an integer or None")
+        check(is_num(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+              "repetition_penalty", f"in [{MIN_REPETITION_PENALTY}, 10]")
+        check(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+              f"None or an integer in [{SEED_MIN}, {SEED_MAX}] (64-bit)")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings")
         check(len(self.stop) <= 16, "stop", "at most 16 strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative token ids")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             v = getattr(self, name)
-            check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            check(v is None or (is_int(v) and v >= 0), name, "None or a non-negative integer")

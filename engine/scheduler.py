@@ -31,17 +31,45 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.max_model_len = max_model_len
         self.kv = kv
+        # Finished (aborted) requests stay in the deque until they reach its head, so that an
+        # abort costs O(1) however long the queue is; num_waiting counts the live ones.
         self.waiting: deque[Request] = deque()
+        self.num_waiting = 0
+        self.num_waiting_seqs = 0  # an unforked n > 1 request becomes n sequences when it runs
         self.running: list[Request] = []  # oldest first: the last one is preempted first
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill steps that did not reach the end of the prompt
         self.num_scheduled_tokens = 0  # tokens run through the model, prefill and decode
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.status = RequestStatus.WAITING
+        self._enqueue(request, front=False)
+
+    def add_running(self, request: Request) -> None:
+        """A forked choice whose blocks already hold the prompt: it decodes from the next step."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.num_waiting or self.running)
+
+    @staticmethod
+    def _seqs(req: Request) -> int:
+        return 1 if req.forked else req.sampling_params.n
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+        self.num_waiting += 1
+        self.num_waiting_seqs += self._seqs(req)
+
+    def _pop_waiting(self) -> None:
+        req = self.waiting.popleft()
+        self.num_waiting -= 1
+        self.num_waiting_seqs -= self._seqs(req)
+
+    def _drop_finished_head(self) -> None:
+        while self.waiting and self.waiting[0].is_finished:
+            self.waiting.popleft()  # already uncounted by finish()
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -64,10 +92,15 @@ class Scheduler:
         if out.preempted:  # blocks are short: admit nothing new this step
             self._record_step(out)
             return out
-        while self.waiting and budget > 0:
+        # An unforked parent in its prefill already holds the slots of its n choices.
+        running_seqs = sum(self._seqs(r) for r in self.running)
+        while budget > 0:
+            self._drop_finished_head()
+            if not self.waiting:
+                break
             req = self.waiting[0]
-            seqs = 1 if req.forked else req.sampling_params.n  # an unforked parent becomes n streams
-            if self.running and len(self.running) + seqs > self.max_num_seqs:
+            # Admission refuses n > max_num_seqs, so a request that does not fit now fits later.
+            if running_seqs + self._seqs(req) > self.max_num_seqs:
                 break
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size
@@ -78,9 +111,10 @@ class Scheduler:
                 break
             if req.status == RequestStatus.WAITING:
                 self.kv.record_prefix_lookup(req, cached)
-            self.waiting.popleft()
+            self._pop_waiting()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            running_seqs += self._seqs(req)
             out.scheduled.append((req, n))
             budget -= n
         self._record_step(out)
@@ -95,14 +129,17 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request wherever it is and free its blocks."""
-        if req in self.running:
+        """Remove a finished or aborted request wherever it is and free its blocks. O(1) for a
+        waiting request (it is skipped when it reaches the head of the queue); running ones are
+        at most max_num_seqs."""
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.num_waiting -= 1
+            self.num_waiting_seqs -= self._seqs(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED

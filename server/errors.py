@@ -18,6 +18,7 @@ ERROR_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "server_error",
 }
@@ -76,7 +77,9 @@ def validation_error(errors: list[dict]) -> APIError:
     param = format_loc(err.get("loc", ())) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":
-        return bad_request(f"{param} is not a supported field", param=param, code="unsupported_field")
+        name = str(err["loc"][-1]) if err.get("loc") else ""
+        param = param if param and param.endswith(name) else name  # a key like "" or "a b" is no identifier
+        return bad_request(f"{param!r} is not a supported field: remove it", param=param, code="unsupported_field")
     if err.get("type") == "missing":
         return bad_request(f"{param} is required", param=param, code="missing_field")
     if err.get("type") == "too_short":

@@ -1,7 +1,17 @@
-"""Turn an OpenAI prompt or message list into token ids, and check it against the context window."""
+"""Turn an OpenAI prompt or message list into token ids, off the event loop, and check it against
+the context window.
+
+Tokenizing an 8 MB string takes seconds; on the event loop that would freeze every other client
+and /health. So a prompt is measured in bytes first (a text longer than the context window
+could hold, at the tokenizer's longest token, is refused without tokenizing), and the tokenizer
+runs on its own thread with its own copy (fast tokenizers must not be shared across threads).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from server.errors import bad_request
@@ -13,45 +23,89 @@ class Prompt:
     token_ids: list[int]
 
 
-def completion_prompts(prompt, tokenizer) -> list[Prompt]:
-    """`prompt` is a string, a list of strings, a token-id list or a list of those (already shape-checked)."""
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items:
-        raise bad_request("prompt must not be empty", param="prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(Prompt(item, tokenizer(item).input_ids))
-        else:
-            prompts.append(Prompt(None, list(item)))
-        if not prompts[-1].token_ids:
-            raise bad_request("prompt must not be empty", param="prompt")
-    return prompts
+def prompt_items(prompt) -> list:
+    """The prompts in a (shape-checked) completions `prompt`: a string, a list of strings, a
+    token-id list or a list of token-id lists. Counting them needs no tokenizer."""
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return list(prompt) if several else [prompt]
 
 
-def chat_prompt(messages: list[dict], tokenizer) -> Prompt:
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template: use /v1/completions", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
-        raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
-    # The template already wrote any BOS it wants; do not let the tokenizer add another.
-    return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for. Vocabulary entries spell bytes with
+    printable characters (byte-level BPE's 'Ġ', sentencepiece's '▁'), each at least one byte of
+    its own, so an entry's own UTF-8 length bounds the text it matches."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=64)
+
+
+class PromptTokenizer:
+    """Tokenizes and applies the chat template on one worker thread, with its own tokenizer."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        try:
+            self._tokenizer = copy.deepcopy(tokenizer)
+        except Exception:  # not copyable: this thread is then its only user besides decode
+            self._tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_model_len * longest_token_bytes(tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagewise-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _check_bytes(self, num_bytes: int, param: str) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the {param} "
+                f"({num_bytes} bytes) is certainly longer than that: shorten it", param=param,
+                code="context_length_exceeded")
+
+    async def completion_prompts(self, prompt) -> list[Prompt]:
+        """`prompt` is a string, a list of strings, a token-id list or a list of those (shape-checked)."""
+        items = prompt_items(prompt)
+        for item in items:
+            if not item:
+                raise bad_request("prompt must not be empty", param="prompt")
+            if isinstance(item, str):
+                self._check_bytes(len(item.encode("utf-8", "surrogatepass")), "prompt")
+            elif len(item) >= self.max_model_len:
+                _too_long(len(item), self.max_model_len, "prompt")
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await self._run(self._encode_all, texts) if texts else [])
+        return [Prompt(item, next(encoded)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        return [self._tokenizer(t).input_ids for t in texts]
+
+    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template: use /v1/completions", param="messages")
+        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
+        return await self._run(self._apply_template, messages)
+
+    def _apply_template(self, messages: list[dict]) -> Prompt:
+        try:
+            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
+            raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
+        # The template already wrote any BOS it wants; do not let the tokenizer add another.
+        return Prompt(text, self._tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _too_long(num_tokens: int, max_model_len: int, param: str):
+    raise bad_request(
+        f"this model's maximum context length is {max_model_len} tokens, but the {param} has "
+        f"{num_tokens} tokens: shorten the {param}", param=param, code="context_length_exceeded")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
                        field: str = "max_tokens", prompt_field: str = "prompt") -> int:
     """The number of tokens to generate: the request's, or what the context window has left."""
     if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens: shorten the prompt", param=prompt_field, code="context_length_exceeded")
+        _too_long(num_prompt_tokens, max_model_len, prompt_field)
     if requested is None:
         return max_model_len - num_prompt_tokens
     if isinstance(requested, int) and requested >= 1 and num_prompt_tokens + requested > max_model_len:

@@ -8,11 +8,22 @@ OpenAI's API but that we do not support yet are accepted only at their no-op val
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+
+
+def _integral_float(v: Any) -> Any:
+    """1.0 is the integer 1 (JSON has one number type; OpenAI's API accepts it), 1.5 is not."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+# An integer field: strict (no "5", no true), except that an integral float counts.
+Int = Annotated[int, BeforeValidator(_integral_float)]
 
 
 class _Request(BaseModel):
@@ -36,22 +47,22 @@ class _SamplingRequest(_Request):
     model: str | None = None  # optional: this server serves one model
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Annotated[Int | None, Field(ge=SEED_MIN, le=SEED_MAX)] = None
     user: str | None = None  # an end-user id for abuse tracking; recorded nowhere, changes nothing
     logit_bias: dict[str, float] | None = None
     # Engine extras (vLLM names).
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -89,11 +100,11 @@ class _SamplingRequest(_Request):
 # --------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingRequest):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
-    max_tokens: int | None = 16  # OpenAI's default; null means "up to the context window"
-    logprobs: int | None = None
+    max_tokens: Int | None = 16  # OpenAI's default; null means "up to the context window"
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     @field_validator("suffix")
     @classmethod
@@ -169,10 +180,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to the context window
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: Int | None = None  # None: up to the context window
+    max_completion_tokens: Int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[Int | None, Field(ge=0)] = None  # at most the engine's max_logprobs
     # Not supported yet: accepted only at their no-op values.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -328,3 +339,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body, in OpenAI's shape."""
+
+    error: ErrorInfo

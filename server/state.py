@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
+from server.prompts import PromptTokenizer
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     token_texts: TokenTexts
+    prompts: PromptTokenizer
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -33,6 +35,19 @@ class ServerState:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")
+
+    def check_admissible(self, num_prompts: int, n: int) -> None:
+        """A request whose sequences (prompts x n) exceed what the engine may ever hold, running
+        plus waiting, is refused before anything is tokenized or queued."""
+        limit = getattr(self.engine, "max_admissible_seqs", None)
+        if limit is None or num_prompts * n <= limit:
+            return
+        config = self.engine.config
+        raise bad_request(
+            f"this request needs {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}), but this server "
+            f"runs at most {config.max_num_seqs} (max_num_seqs) and queues at most {config.max_waiting_requests} "
+            f"more (max_waiting_requests): send fewer prompts or a smaller n, or split the request",
+            param="prompt" if num_prompts > 1 else "n", code="too_many_sequences")
 
 
 def get_state(request: Request) -> ServerState:

@@ -4,7 +4,7 @@ them exactly as they drive one core:
 
     AsyncEngine(config, core_factory=DataParallelCore)   # what `engine serve` does when dp > 1
 
-The front validates each prompt (the same check_prompt as EngineCore), routes it (Router: least
+The front validates each request (the same check_request as EngineCore), routes it (Router: least
 loaded, with prefix affinity), sends it down the replica's pipe, and gathers every replica's
 outputs and stats as they come. Replicas share nothing, so they need no process group; they
 live on this node. A replica that dies, or whose step fails, stops the whole front with a
@@ -20,7 +20,7 @@ import multiprocessing.connection
 import os
 import time
 
-from engine.core import check_prompt
+from engine.core import check_request
 from engine.loader import resolve_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.layout import check_layout
@@ -39,7 +39,9 @@ _RATIOS = {"kv_cache_usage": ("num_used_blocks", "num_total_blocks"),
 
 class DataParallelCore:
     def __init__(self, config):
-        source = resolve_model(config.model, config.tokenizer)  # config and tokenizer only: replicas load weights
+        self.config = config
+        # config and tokenizer only (the replicas load weights); this tokenizer serves the chat route
+        source = resolve_model(config.model, config.tokenizer, config.chat_template)
         layout = check_layout(config, source.hf_config)
         self.tokenizer, self.model_name, self.eos_token_ids = source.tokenizer, source.name, source.eos_token_ids
         self.vocab_size = source.hf_config.vocab_size
@@ -83,11 +85,15 @@ class DataParallelCore:
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        check_prompt(ids, self.vocab_size, self.max_model_len)
+        self.check_request(ids, sampling_params)
         self.check_health()
         replica = self.router.choose(ids)
         self.owner[request_id] = replica
         self._send(replica, ("add", request_id, ids, sampling_params, prompt, arrival_time))
+
+    def check_request(self, ids: list[int], params) -> None:
+        check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                      max_num_seqs=self.config.max_num_seqs, max_logprobs=self.config.max_logprobs)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Each replica reports its aborted requests once more, finished with reason "abort"."""

@@ -9,7 +9,8 @@ from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
 from server.logprobs import chat_logprobs
-from server.prompts import chat_prompt, resolve_max_tokens
+from server.openapi import route_docs
+from server.prompts import resolve_max_tokens
 from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo)
 from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
@@ -20,16 +21,19 @@ from server.streams import ClientDisconnected, last_outputs, primed_all, unless_
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse))
 async def create_chat_completion(request: Request):
     state = get_state(request)
     body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
     state.check_model(body.model)
-    prompt = chat_prompt([m.to_template() for m in body.messages], state.tokenizer)
+    state.check_admissible(1, body.n)
+    prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages])
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
                                     field=body.max_tokens_field, prompt_field="messages")
-    with sampling_errors(renames={"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs"}):
+    renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
+    with engine_errors(), sampling_errors(renames=renames):
         params = body.to_sampling_params(max_tokens)
+        state.engine.check_request(prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
     stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),

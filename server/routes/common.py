@@ -8,7 +8,7 @@ import uuid
 
 from pydantic import BaseModel, ValidationError
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from server.errors import APIError, bad_request, validation_error
 
 RETRY_AFTER_S = "1"
@@ -54,6 +54,9 @@ def engine_errors():
                        headers={"Retry-After": RETRY_AFTER_S}) from None
     except EngineDeadError:
         raise APIError(500, "internal server error: the engine stopped", code="engine_dead") from None
+    except RequestFailedError:  # the engine failed this request alone and serves on
+        raise APIError(500, "internal server error while processing this request; other requests are "
+                            "unaffected", code="internal_error") from None
     except ValueError as e:  # EngineCore.add_request rejected the prompt
         m = _FIELD.match(str(e))
         raise bad_request(str(e), param="prompt" if m and m.group(1).startswith("prompt") else None) from None
@@ -63,6 +66,8 @@ def error_event_body(error: BaseException) -> dict:
     """The payload of an SSE error event, for a failure after the stream has started."""
     if isinstance(error, EngineDeadError):
         message = "internal server error: the engine stopped"
+    elif isinstance(error, RequestFailedError):
+        message = "internal server error while processing this request; other requests are unaffected"
     else:
         message = "internal server error"
     return {"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}}

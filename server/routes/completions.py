@@ -9,7 +9,8 @@ from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
 from server.logprobs import completion_logprobs
-from server.prompts import Prompt, completion_prompts, resolve_max_tokens
+from server.openapi import route_docs
+from server.prompts import Prompt, prompt_items, resolve_max_tokens
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
 from server.sse import DONE, event, sse_response
@@ -19,17 +20,19 @@ from server.streams import ClientDisconnected, last_outputs, merge, primed_all, 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse))
 async def create_completion(request: Request):
     state = get_state(request)
     body: CompletionRequest = parse_body(CompletionRequest, await request.body())
     state.check_model(body.model)
-    prompts = completion_prompts(body.prompt, state.tokenizer)
+    state.check_admissible(len(prompt_items(body.prompt)), body.n)
+    prompts = await state.prompts.completion_prompts(body.prompt)
     params = []
     for p in prompts:
         max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len)
-        with sampling_errors():
+        with engine_errors(), sampling_errors():
             params.append(body.to_sampling_params(max_tokens))
+            state.engine.check_request(p.token_ids, params[-1])
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

@@ -35,8 +35,8 @@ async def get_model(model: str, request: Request):
 async def health(request: Request):
     try:
         get_state(request).engine.check_health()
-    except Exception:  # the cause is in the server log; a probe only needs the verdict
-        return error_response(503, "engine is not healthy", code="unhealthy")
+    except Exception as e:  # says why (the full traceback is in the server log)
+        return error_response(503, f"engine is not healthy: {e}", code="unhealthy")
     return JSONResponse({"status": "ok"})
 
 

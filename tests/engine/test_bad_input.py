@@ -14,7 +14,8 @@ BAD_SAMPLING = [
     ("n", 0), ("n", 1000), ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1),
     ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("repetition_penalty", 1e-300), ("seed", 1.5), ("seed", 2**63), ("seed", -2**63 - 1), ("seed", 2**64),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", -1), ("prompt_logprobs", -1),
 ]
 
 
@@ -22,6 +23,12 @@ BAD_SAMPLING = [
 def test_invalid_sampling_field_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_tiny_temperature_is_greedy():
+    """As vLLM: below 1e-5 the temperature samples the argmax anyway (and 1/T overflows)."""
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 def test_min_tokens_above_max_tokens():
@@ -44,6 +51,13 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
     for ids, message in bad:
         with pytest.raises(ValueError, match=message):
             engine.add_request("bad", ids, params)
+    # Values SamplingParams cannot judge alone: the vocabulary and the engine's limits.
+    for kwargs, field in [(dict(stop_token_ids=[engine.vocab_size], min_tokens=2), "^stop_token_ids"),
+                          (dict(stop_token_ids=[2**70], min_tokens=1), "^stop_token_ids"),
+                          (dict(logprobs=engine.config.max_logprobs + 1), "^logprobs"),
+                          (dict(prompt_logprobs=engine.config.max_logprobs + 1), "^prompt_logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4, **kwargs))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [1, 2], params)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -58,6 +72,15 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
     assert engine.stats()["num_used_blocks"] == 0
     # And it still serves new work.
     assert tiny_llm.generate([[9, 9, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, [9, 9, 9], 8)
+
+
+def test_n_above_max_num_seqs_is_refused(tiny_models):
+    """n choices run at once: more than max_num_seqs could never be scheduled together."""
+    llm = LLM(tiny_models("llama"), num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+    with pytest.raises(ValueError, match="^n must be at most max_num_seqs"):
+        llm.generate([[5, 6]], SamplingParams(n=5, max_tokens=2), use_tqdm=False)
+    outs = llm.generate([[5, 6]], SamplingParams(n=4, max_tokens=2, temperature=1.0, seed=1), use_tqdm=False)
+    assert len(outs[0].outputs) == 4 and llm.engine.stats()["num_used_blocks"] == 0
 
 
 def test_missing_model_path():

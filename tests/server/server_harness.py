@@ -18,6 +18,12 @@ MAX_BODY_BYTES = 65536
 TINY_SERVER_ARGS = ["--num-kv-blocks", "2048", "--max-body-bytes", str(MAX_BODY_BYTES), "--num-threads", "1"]
 
 
+def clean_env() -> dict:
+    """This environment without the API-key variables the server reads, so that a developer's
+    OPENAI_API_KEY does not lock the test servers."""
+    return {k: v for k, v in os.environ.items() if k not in ("PAGEWISE_API_KEY", "OPENAI_API_KEY")}
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0,
                  entry: str = "server.cli"):
@@ -26,7 +32,7 @@ class ServerProcess:
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", entry, "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**clean_env(), **(env or {})})
         self.url = self._wait_listening(startup_timeout)
         self.base_url = self.url + "/v1"
 

@@ -4,6 +4,7 @@ names the field; the server answers normally afterwards."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from tests.server.server_harness import API_KEY, MAX_BODY_BYTES
 
 KEY = {"Authorization": f"Bearer {API_KEY}"}
+KEYJ = {**KEY, "Content-Type": "application/json"}  # for raw `content=` bodies
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -31,9 +33,24 @@ BIG = json.dumps({"prompt": "x " * MAX_BODY_BYTES, "max_tokens": 1}).encode()
 
 # (case id, path, request kwargs, expected status, expected `param` (None: not checked), headers)
 CASES = [
-    ("malformed-json", "/v1/completions", {"content": b'{"prompt": "hi",'}, 400, None, KEY),
-    ("empty-body", "/v1/chat/completions", {"content": b""}, 400, None, KEY),
-    ("body-not-object", "/v1/completions", {"content": b"[1, 2, 3]"}, 400, None, KEY),
+    ("malformed-json", "/v1/completions", {"content": b'{"prompt": "hi",'}, 400, None, KEYJ),
+    ("empty-body", "/v1/chat/completions", {"content": b""}, 400, None, KEYJ),
+    ("body-not-object", "/v1/completions", {"content": b"[1, 2, 3]"}, 400, None, KEYJ),
+    ("text-plain-body", "/v1/completions", {"content": b'{"prompt": "hi"}'}, 415, None,
+     {**KEY, "Content-Type": "text/plain"}),
+    ("no-content-type", "/v1/chat/completions", {"content": b'{"messages": []}'}, 415, None, KEY),
+    ("form-body", "/v1/completions", {"data": {"prompt": "hi"}}, 415, None, KEY),
+    # The bad-input probe's five requests that each stopped the engine for everyone.
+    ("seed-2**64", "/v1/completions", comp(seed=2**64), 400, "seed", KEY),
+    ("seed-2**64-1-n2", "/v1/chat/completions", chat(seed=2**64 - 1, n=2), 400, "seed", KEY),
+    ("seed-below-int64", "/v1/chat/completions", chat(seed=-2**63 - 1), 400, "seed", KEY),
+    ("stop-token-id-out-of-vocab", "/v1/chat/completions", chat(stop_token_ids=[1000000], min_tokens=2), 400,
+     "stop_token_ids", KEY),
+    ("stop-token-id-2**70", "/v1/completions", comp(stop_token_ids=[2**70], min_tokens=1), 400, "stop_token_ids",
+     KEY),
+    ("repetition-penalty-tiny", "/v1/completions", comp(repetition_penalty=1e-300), 400, "repetition_penalty", KEY),
+    ("max-tokens-fraction", "/v1/completions", comp(max_tokens=1.5), 400, "max_tokens", KEY),
+    ("too-many-sequences", "/v1/completions", comp(prompt=["hi"] * 2000, n=128), 400, "prompt", KEY),
     ("max-tokens-string", "/v1/completions", comp(max_tokens="5"), 400, "max_tokens", KEY),
     ("temperature-string", "/v1/chat/completions", chat(temperature="hot"), 400, "temperature", KEY),
     ("n-bool", "/v1/completions", comp(n=True), 400, "n", KEY),
@@ -77,8 +94,8 @@ CASES = [
     ("prompt-over-context", "/v1/completions", comp(prompt="hello " * 600), 400, "prompt", KEY),
     ("chat-over-context", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi " * 600}]}},
      400, "messages", KEY),
-    ("oversized-body", "/v1/completions", {"content": BIG}, 413, None, KEY),
-    ("oversized-body-chunked", "/v1/completions", {"content": _chunks}, 413, None, KEY),
+    ("oversized-body", "/v1/completions", {"content": BIG}, 413, None, KEYJ),
+    ("oversized-body-chunked", "/v1/completions", {"content": _chunks}, 413, None, KEYJ),
     ("missing-api-key", "/v1/completions", comp(), 401, None, {}),
     ("wrong-api-key", "/v1/chat/completions", chat(), 401, None, {"Authorization": "Bearer nope"}),
     ("wrong-auth-scheme", "/v1/models", {}, 401, None, {"Authorization": f"Basic {API_KEY}"}),
@@ -104,6 +121,35 @@ def test_bad_input(server, case, path, kwargs, status, param, headers):
         assert err["param"] == param, err
     if status == 401:
         assert r.headers.get("www-authenticate") == "Bearer"
+
+
+def test_unparseable_http_gets_a_json_400(server):
+    """uvicorn's own 400s (here a Content-Length that is not a number) in OpenAI's shape too."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: ten\r\n\r\n{}")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), raw
+    assert b"application/json" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_integral_floats_and_tiny_temperatures_are_served(server, auth):
+    """`"max_tokens": 1.0` is the integer 1; a temperature of 1e-300 is greedy (vLLM's rule)."""
+    greedy = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                        json={"prompt": "hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+    tiny = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                      json={"prompt": "hello there", "max_tokens": 5.0, "temperature": 1e-300, "ignore_eos": True,
+                            "n": 2.0, "seed": 7.0})
+    assert tiny.status_code == 200, tiny.text
+    choices = tiny.json()["choices"]
+    assert len(choices) == 2 and tiny.json()["usage"]["completion_tokens"] == 10
+    assert all(c["text"] == greedy["choices"][0]["text"] for c in choices)
 
 
 def test_still_serving_after_bad_input(server, client):
