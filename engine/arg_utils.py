@@ -1,29 +1,82 @@
 """Command-line flags for every EngineConfig field, generated from the dataclass so that a new
-knob appears in `engine serve`, `engine generate` and `engine bench` without further edits."""
+knob appears in `engine serve`, `engine generate` and `engine bench` without further edits, with
+the same name, units and help text in each (and in `engine plan`, through `add_engine_arg`).
+
+Light on purpose (argparse + engine.config): `engine plan` imports it and must not load torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import re
-import typing
 from dataclasses import MISSING, fields
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, canonical_dtype
+
+# vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
+ALIASES = {
+    "tensor_parallel_size": ("-tp", "--tp"),
+    "pipeline_parallel_size": ("-pp", "--pp"),
+    "data_parallel_size": ("-dp", "--dp"),
+}
+# Engine fields that only mean something behind the HTTP server (skipped by `engine generate`).
+SERVING_ONLY = ("max_waiting_requests", "max_logprobs", "log_requests")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS}
-_HELP = {
-    "model": "model folder (config.json + *.safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
-    "kv_cache_memory": "KV cache budget on CPU, bytes or with a unit (e.g. 4GiB, 512MiB)",
-    "num_kv_blocks": "fixed number of KV blocks (overrides the memory budget)",
-}
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9}
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
+          "tib": 1 << 40, "tb": 10**12}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default (unless its help already says it); keeps docstring layout."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or not action.option_strings or default is None or default is argparse.SUPPRESS:
+            return text
+        if default is False and not isinstance(action, argparse.BooleanOptionalAction):
+            return text  # a plain switch: off unless given
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """allow_abbrev off: a copied flag that only starts like one of ours (`--kv-cache-memory` for
+    `--kv-cache-memory-gib`) must be an "unrecognized argument", not a confusing error about the
+    other flag. Subparsers inherit the class (argparse builds them with `type(parent)`)."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, formatter_class=formatter_class, **kwargs)
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a unit such as 4GiB or 512MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    """2147483648 -> '2GiB': the largest binary unit that divides n (help text, logs)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _UNITS[unit.lower()]
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _dtype(text: str) -> str:
+    return canonical_dtype(text)  # argparse then checks the canonical name against the choices
+
+
+def _optional(kind):
+    """An int flag whose field may be None: `none` sets None (e.g. --max-waiting-requests none)."""
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
 
 
 def _base_type(annotation) -> type:
@@ -35,26 +88,75 @@ def _base_type(annotation) -> type:
     return str
 
 
+def engine_flags(name: str) -> list[str]:
+    """Every option string of one EngineConfig field: `--kv-cache-memory`, `--tensor-parallel-size`, `-tp`, ..."""
+    return ["--" + name.replace("_", "-"), *ALIASES.get(name, ())]
+
+
+def add_engine_arg(parser, name: str, aliases: tuple[str, ...] = (), **overrides) -> argparse.Action:
+    """Add the flag of one EngineConfig field (name, aliases, type, help, default) to `parser` or an
+    argument group. `aliases`: a command's own older spellings, kept working. `overrides` replace
+    argparse keywords where a command means something narrower (e.g. `engine plan`'s validating
+    types, or a default of None there)."""
+    f = next(f for f in fields(EngineConfig) if f.name == name)
+    default = f.default if f.default is not MISSING else None
+    kind = _base_type(f.type)
+    kwargs: dict = {"default": default, "help": f.metadata.get("help"), "dest": name}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif name == "kv_cache_memory":
+        # A string default goes through `type` too, so the help shows "2GiB", not 2147483648.
+        kwargs.update(type=parse_bytes, default=format_bytes(default), metavar="SIZE")
+    elif name in ("dtype", "kv_cache_dtype"):
+        kwargs.update(type=_dtype, choices=_CHOICES[name])
+    else:
+        optional = "None" in str(f.type) and default is not None
+        kwargs.update(type=_optional(kind) if optional else kind, choices=_CHOICES.get(name))
+        if kind is int:
+            kwargs["metavar"] = "N"
+    kwargs.update(overrides)
+    return parser.add_argument(*engine_flags(name), *aliases, **kwargs)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        kind = _base_type(f.type)
-        help_text = _HELP.get(f.name, f"(default: {default})")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name == "kv_cache_memory":
-            group.add_argument(flag, type=parse_bytes, default=default, help=help_text)
-        else:
-            group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name), help=help_text)
+        if f.name not in skip:
+            add_engine_arg(group, f.name)
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `serve MODEL`: the model as a positional, the same as --model."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the same as --model (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def add_log_level(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """`--log-level`, case-insensitive. Every (sub)parser takes it, so it may come before or after
+    the subcommand; below the top its default is SUPPRESS, so it never overwrites the top's value."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        default="INFO" if top else argparse.SUPPRESS,
+                        help="debug, info, warning, error or critical (default: info)")
+
+
+def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(path, parser) for `parser` and every subparser below it, e.g. (("bench", "latency"), p)."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from walk_parsers(sub, (*path, name))
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields present on `args` (as parsed by add_engine_args)."""
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    kwargs = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if kwargs.get("model") not in (None, tag):
+            raise ValueError(f"the model is given twice ({tag!r} and --model {kwargs['model']!r}): give one")
+        kwargs["model"] = tag
+    return kwargs
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

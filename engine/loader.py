@@ -32,25 +32,35 @@ class ModelSource:
         return self.path.endswith(".gguf")
 
 
-def resolve_model(path: str | None, tokenizer_path: str | None = None) -> ModelSource:
-    """Open a model folder, a .gguf file, or (path None) the embedded default model."""
+class ModelFolderError(ValueError):
+    """A model path that cannot be served as it is; the message says what to change."""
+
+
+def resolve_model(path: str | None, tokenizer_path: str | None = None,
+                  chat_template: str | None = None) -> ModelSource:
+    """Open a model folder, a .gguf file, or (path None) the embedded default model.
+
+    Checks the folder first (config.json, every safetensors header) so that a bad one fails in
+    a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
+    file) replaces the tokenizer's own."""
     if path is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        source = resolve_model(default_model_path(), tokenizer_path)
+        source = resolve_model(default_model_path(), tokenizer_path, chat_template)
         source.name = DEFAULT_MODEL_NAME
         return source
     if not os.path.exists(path):
-        raise ValueError(f"model path {path!r} does not exist")
+        raise ModelFolderError(f"model path {path!r} does not exist")
     name = os.path.basename(os.path.normpath(path))
     if path.endswith(".gguf"):
         from engine.gguf_loader import load_gguf
 
+        check_gguf_file(path)
         gguf = load_gguf(path)
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
+        _set_chat_template(tokenizer, chat_template)
         return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None))
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{path!r} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    check_model_folder(path)
     from transformers import AutoConfig
 
     with open(os.path.join(path, "config.json")) as f:
@@ -60,7 +70,101 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None) -> ModelS
     model_class(model_type)  # fail early, naming the supported types
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = _load_tokenizer(tokenizer_path or path)
+    _set_chat_template(tokenizer, chat_template)
     return ModelSource(path, name, hf_config, tokenizer, _eos_ids(tokenizer, hf_config, path))
+
+
+def check_model_folder(path: str) -> None:
+    """Raise ModelFolderError unless `path` is a folder with config.json and readable safetensors."""
+    if os.path.isfile(path):
+        raise ModelFolderError(f"{path!r} is a file: pass the folder that holds config.json and "
+                               "*.safetensors, or a .gguf file")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        nested = sorted(glob.glob(os.path.join(path, "*", "config.json")))
+        hint = f" (did you mean {os.path.dirname(nested[0])!r}?)" if nested else ""
+        raise ModelFolderError(f"{path!r} has no config.json{hint}: pass a Hugging Face model folder "
+                               "or a .gguf file")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelFolderError(_no_safetensors_message(path))
+    for file in _indexed_shards(path) or files:
+        check_safetensors_file(file)
+
+
+def _no_safetensors_message(path: str) -> str:
+    torch_files = [f for pattern in ("*.bin", "*.pt", "*.pth") for f in glob.glob(os.path.join(path, pattern))]
+    if not torch_files:
+        return f"{path!r} has no *.safetensors weights: pass a folder with the model's safetensors files"
+    # The engine reads safetensors only (no pickle: loading a .bin can run code); one re-save converts.
+    return (f"{path!r} has PyTorch {os.path.basename(torch_files[0])} weights but no *.safetensors; convert "
+            "them once with: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained({path!r}).save_pretrained({path!r}, safe_serialization=True)\"")
+
+
+def _indexed_shards(path: str) -> list[str]:
+    """The shard files a sharded checkpoint's index names; a missing one is an error now."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return []
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, AttributeError) as e:
+        raise ModelFolderError(f"{index!r} is not a safetensors index ({e}): re-download it") from None
+    missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise ModelFolderError(f"{path!r} lacks {len(missing)} of the {len(names)} shards its index names "
+                               f"(first: {missing[0]}): download the missing files")
+    return [os.path.join(path, n) for n in names]
+
+
+def check_safetensors_file(file: str) -> None:
+    """Read only the header: a truncated or corrupt file is named, with what is wrong, before any
+    weight is loaded. Layout: 8-byte little-endian header length, JSON header, tensor data."""
+    size = os.path.getsize(file)
+    fix = "re-download or re-save it"
+    if size < 8:
+        raise ModelFolderError(f"{file}: {size} bytes, too short for a safetensors file: {fix}")
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if 8 + header_len > size:
+            raise ModelFolderError(f"{file}: truncated: the header says it is {header_len} bytes but the file "
+                                   f"is {size} bytes in all: {fix}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ModelFolderError(f"{file}: corrupt: its header is not JSON: {fix}") from None
+    try:
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, AttributeError):
+        raise ModelFolderError(f"{file}: corrupt: its header has no valid data_offsets: {fix}") from None
+    if 8 + header_len + end > size:
+        raise ModelFolderError(f"{file}: truncated: the tensor data ends at byte {8 + header_len + end} but the "
+                               f"file is {size} bytes: {fix}")
+
+
+def check_gguf_file(file: str) -> None:
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFolderError(f"{file}: not a GGUF file (it does not start with 'GGUF'): re-download it")
+
+
+def _set_chat_template(tokenizer, chat_template: str | None) -> None:
+    """Replace the tokenizer's chat template with `chat_template` (Jinja text or a file), checked
+    for syntax now rather than at the first chat request."""
+    if chat_template is None:
+        return
+    if os.path.isfile(os.path.expanduser(chat_template)):
+        with open(os.path.expanduser(chat_template)) as f:
+            chat_template = f.read()
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: Jinja syntax error on line {e.lineno}: {e.message}") from None
+    tokenizer.chat_template = chat_template
 
 
 def _load_tokenizer(path: str):

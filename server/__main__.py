@@ -1,8 +1,8 @@
-"""`python -m server serve ...` runs the OpenAI-compatible server (same as `engine serve`)."""
+"""`python -m server serve ...` runs the OpenAI-compatible server: the `engine` command under another name."""
 
 import sys
 
-from server.cli import main
+from engine.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

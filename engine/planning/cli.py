@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, parse_bytes, walk_parsers
+from engine.config import canonical_dtype
 from engine.planning.activations import ATTENTION_KERNELS, RECOMPUTE
 from engine.planning.flops import FLOPS_METHODS
 from engine.planning.layout import Layout, PlanError, check_model_parallel
@@ -25,8 +27,9 @@ from engine.planning.training import Throughput, plan_training
 from engine.planning.units import GiB, dtype_bytes
 
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
-# Settings whose flag is not just the setting's name with dashes.
-FLAGS = {"gpu_memory": "--gpu-memory-gib"}
+KV_DTYPES = ("auto", *SERVE_DTYPES, "fp8")
+# PlanError settings whose flag's dest is not the setting's own name.
+DESTS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "gpu_memory": "gpu_memory_gib"}
 
 
 def _number(kind: str, ok, convert):
@@ -48,39 +51,67 @@ positive_float = _number("a positive number", lambda v: v > 0, float)
 fraction = _number("a fraction in (0, 1]", lambda v: 0 < v <= 1, float)
 
 
+def positive_bytes(text: str) -> int:
+    value = parse_bytes(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size such as 1.5GiB, got {text!r}")
+    return value
+
+
+class _GiBAlias(argparse.Action):
+    """`--kv-cache-memory-gib 1.5`, the name before `--kv-cache-memory 1.5GiB`: still accepted."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated: use --kv-cache-memory {value:g}GiB",
+              file=sys.stderr)
+        setattr(namespace, self.dest, int(value * GiB))
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset or config.json, or dimensions (--arch and below: dimensions only)")
-    g.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a config.json / model folder")
-    g.add_argument("--layers", type=positive_int)
-    g.add_argument("--hidden", type=positive_int)
-    g.add_argument("--heads", type=positive_int)
-    g.add_argument("--kv-heads", type=positive_int, help="default: --heads")
-    g.add_argument("--head-dim", type=positive_int, help="default: hidden / heads")
-    g.add_argument("--ffn-hidden", type=positive_int, help="default: 8h/3 (llama), 4h (gpt)")
-    g.add_argument("--vocab", type=positive_int)
-    g.add_argument("--arch", choices=("llama", "gpt"), default="llama", help="llama: SwiGLU, RMSNorm, rotary; gpt: GELU, LayerNorm, biases, learned positions")
-    g.add_argument("--tie-embeddings", action="store_true")
-    g.add_argument("--max-positions", type=positive_int, default=2048)
-    g.add_argument("--params", type=positive_int, help="a published total that overrides the computed count")
+    g.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or a config.json / model folder; "
+                                   "or give the dimensions below instead")
+    g.add_argument("--layers", type=positive_int, help="transformer layers")
+    g.add_argument("--hidden", type=positive_int, help="hidden size")
+    g.add_argument("--heads", type=positive_int, help="attention heads")
+    g.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    g.add_argument("--head-dim", type=positive_int, help="size of one head (default: hidden / heads)")
+    g.add_argument("--ffn-hidden", type=positive_int, help="MLP hidden size (default: 8h/3 for llama, 4h for gpt)")
+    g.add_argument("--vocab", type=positive_int, help="vocabulary size")
+    g.add_argument("--arch", choices=("llama", "gpt"), default="llama",
+                   help="llama: SwiGLU, RMSNorm, rotary; gpt: GELU, LayerNorm, biases, learned positions")
+    g.add_argument("--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix")
+    g.add_argument("--max-positions", type=positive_int, default=2048, help="the model's context length")
+    g.add_argument("--params", type=positive_int,
+                   help="a published parameter count that overrides the computed one (default: computed)")
 
 
 def add_throughput_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speed (FLOP/s per GPU on the FLOPs counted, recomputation included)")
-    g.add_argument("--achieved-tflops", type=positive_float)
-    g.add_argument("--peak-tflops", type=positive_float)
+    g.add_argument("--achieved-tflops", type=positive_float, help="measured TFLOP/s per GPU, end to end")
+    g.add_argument("--peak-tflops", type=positive_float, help="the GPU's peak TFLOP/s at the training precision")
     g.add_argument("--mfu", type=fraction, help="fraction of --peak-tflops achieved")
-    g.add_argument("--flops", choices=FLOPS_METHODS, default="nd", help="nd: 6ND (8ND with full recompute); exact: per-layer count")
+    g.add_argument("--flops", choices=FLOPS_METHODS, default="nd",
+                   help="nd: 6ND (8ND with full recompute); exact: per-layer count")
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-len", type=positive_int, required=True)
-    p.add_argument("--dtype", choices=PRECISIONS, default="mixed", help="mixed: 16-bit weights and gradients, fp32 master copy")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per training sample")
+    p.add_argument("--dtype", type=canonical_dtype, choices=PRECISIONS, default="mixed",
+                   help="mixed: 16-bit weights and gradients, fp32 master copy; fp16/half, bf16, fp32/float "
+                        "are accepted")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw8bit: 1-byte states")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="eager keeps the s x s softmax")
-    p.add_argument("--nodes", type=positive_int, default=1)
-    p.add_argument("--gpus-per-node", type=positive_int, default=1)
-    p.add_argument("--gpu-memory-gib", type=positive_float)
-    p.add_argument("--tokens", type=positive_int, help="training tokens in all")
+    p.add_argument("--nodes", type=positive_int, default=1, help="machines")
+    p.add_argument("--gpus-per-node", type=positive_int, default=1, help="GPUs in each machine")
+    p.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU in GiB, to check the fit")
+    p.add_argument("--tokens", type=positive_int, help="training tokens in all (or --samples with --epochs)")
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's own flags (`--tensor-parallel-size/-tp`, ...), with plan's older --tp/--pp."""
+    add_engine_arg(p, "tensor_parallel_size", type=positive_int)
+    add_engine_arg(p, "pipeline_parallel_size", type=positive_int)
 
 
 def add_parser(subparsers) -> None:
@@ -91,47 +122,61 @@ def add_parser(subparsers) -> None:
 def add_commands(plan: argparse.ArgumentParser) -> None:
     commands = plan.add_subparsers(dest="plan_command", required=True)
 
-    train = commands.add_parser("train", help="memory per GPU and time of one training layout")
+    train = commands.add_parser("train", help="memory per GPU and time of one training layout", description=__doc__)
     add_model_flags(train)
     add_training_flags(train)
-    train.add_argument("--micro-batch", type=positive_int, default=1)
-    train.add_argument("--grad-accum", type=positive_int, default=1)
-    train.add_argument("--tp", type=positive_int, default=1)
-    train.add_argument("--pp", type=positive_int, default=1)
-    train.add_argument("--sequence-parallel", action="store_true")
-    train.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
-    train.add_argument("--offload", choices=OFFLOADS, default="none")
-    train.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    train.add_argument("--micro-batch", type=positive_int, default=1, help="samples per GPU per forward")
+    train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    add_parallel_flags(train)
+    train.add_argument("--sequence-parallel", action="store_true",
+                       help="split the norms' and dropouts' activations over the TP ranks too")
+    train.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
+                       help="ZeRO stage: 1 shards optimizer states, 2 gradients too, 3 parameters too")
+    train.add_argument("--offload", choices=OFFLOADS, default="none", help="keep these in CPU memory (ZeRO-Offload)")
+    train.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                       help="activation recomputation: selective (attention) or full (every layer)")
     train.add_argument("--samples", type=positive_int, help="samples per epoch")
-    train.add_argument("--epochs", type=positive_int, help="passes over --samples (default 1)")
-    train.add_argument("--time-per-step", type=positive_float, help="measured seconds per step; gives MFU with --peak-tflops")
+    train.add_argument("--epochs", type=positive_int, help="passes over --samples (default: 1)")
+    train.add_argument("--time-per-step", type=positive_float,
+                       help="measured seconds per step; gives MFU with --peak-tflops")
     add_throughput_flags(train)
-    train.add_argument("--json", action="store_true")
+    train.add_argument("--json", action="store_true", help="print JSON (bytes, FLOPs, seconds) instead of a table")
     train.set_defaults(func=run_train, parser=train)
 
-    serve = commands.add_parser("serve", help="weights, KV cache per token and KV capacity of one replica")
+    serve = commands.add_parser("serve", help="weights, KV cache per token and KV capacity of one replica",
+                                description=__doc__)
     add_model_flags(serve)
-    serve.add_argument("--tp", type=positive_int, default=1)
-    serve.add_argument("--pp", type=positive_int, default=1)
-    serve.add_argument("--dtype", choices=SERVE_DTYPES, default="bfloat16")
-    serve.add_argument("--kv-dtype", choices=("auto", *SERVE_DTYPES, "fp8"), default="auto", help="auto: --dtype")
-    serve.add_argument("--gpu-memory-gib", type=positive_float)
-    serve.add_argument("--gpu-memory-utilization", type=fraction, default=0.90)
-    serve.add_argument("--kv-cache-memory-gib", type=positive_float, help="fixed KV budget (the engine's CPU setting); replaces the GPU-derived one")
-    serve.add_argument("--max-model-len", type=positive_int, help="default: the model's max positions")
-    serve.add_argument("--block-size", type=positive_int, default=16)
-    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="tokens of the largest forward (workspace)")
-    serve.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences sampled at once (workspace)")
-    serve.add_argument("--json", action="store_true")
+    g = serve.add_argument_group("engine settings (the same flags as `engine serve`)")
+    add_parallel_flags(g)
+    add_engine_arg(g, "dtype", choices=("auto", *SERVE_DTYPES), default="bfloat16",
+                   help="weights and activations; half/fp16 = float16, bf16 = bfloat16, float/fp32 = float32; "
+                        "auto: bfloat16, as the engine picks on CUDA")
+    add_engine_arg(g, "kv_cache_dtype", aliases=("--kv-dtype",), choices=KV_DTYPES,
+                   help="KV cache elements, same names as --dtype, and fp8; auto: the same as --dtype")
+    g.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU in GiB")
+    add_engine_arg(g, "gpu_memory_utilization", type=fraction)
+    add_engine_arg(g, "kv_cache_memory", type=positive_bytes, default=None,
+                   help="a fixed KV cache budget (the engine's CPU setting), bytes or with a unit (1.5GiB); "
+                        "replaces the budget left on the GPU (default: derived from --gpu-memory-gib)")
+    g.add_argument("--kv-cache-memory-gib", dest="kv_cache_memory", type=positive_float, action=_GiBAlias,
+                   default=argparse.SUPPRESS, metavar="GIB", help="deprecated: --kv-cache-memory with a unit")
+    add_engine_arg(g, "max_model_len", type=positive_int,
+                   help="context window in tokens (default: the model's max positions)")
+    add_engine_arg(g, "block_size", type=positive_int)
+    add_engine_arg(g, "max_num_batched_tokens", type=positive_int,
+                   help="token budget of one engine step: sizes the forward's workspace")
+    add_engine_arg(g, "max_num_seqs", type=positive_int,
+                   help="most sequences running at once: sizes the sampler's workspace")
+    serve.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     serve.set_defaults(func=run_serve, parser=serve)
 
-    search = commands.add_parser("search", help="rank the training layouts of a cluster that fit")
+    search = commands.add_parser("search", help="rank the training layouts of a cluster that fit", description=__doc__)
     add_model_flags(search)
     add_training_flags(search)
-    search.add_argument("--global-batch", type=positive_int, required=True)
-    search.add_argument("--top", type=positive_int, default=10)
+    search.add_argument("--global-batch", type=positive_int, required=True, help="samples per optimizer step")
+    search.add_argument("--top", type=positive_int, default=10, help="how many of the fitting layouts to print")
     add_throughput_flags(search)
-    search.add_argument("--json", action="store_true")
+    search.add_argument("--json", action="store_true", help="print JSON instead of a table")
     search.set_defaults(func=run_search, parser=search)
 
 
@@ -168,7 +213,10 @@ def _or_error(parser, flag, fn, *args, **kwargs):
 
 
 def _plan_error(parser, e: PlanError):
-    flag = FLAGS.get(e.setting, "--" + e.setting.replace("_", "-"))
+    dest = DESTS.get(e.setting, e.setting)
+    # Named as argparse names a flag in its own errors: every spelling, e.g. --tensor-parallel-size/-tp/--tp.
+    flag = next(("/".join(a.option_strings) for a in parser._actions if a.dest == dest and a.option_strings),
+                "--" + e.setting.replace("_", "-"))
     parser.error(f"argument {flag}: {e.message}")
 
 
@@ -199,7 +247,8 @@ def emit(args: argparse.Namespace, payload: dict, table: str) -> int:
 def run_train(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     layout = Layout(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=args.tensor_parallel_size,
+        pp=args.pipeline_parallel_size, micro_batch=args.micro_batch,
         grad_accum=args.grad_accum, sequence_parallel=args.sequence_parallel, zero=args.zero, offload=args.offload,
         recompute=args.recompute,
     )
@@ -216,18 +265,20 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     try:
-        check_model_parallel(spec, args.tp, args.pp)
+        check_model_parallel(spec, tp, pp)
     except PlanError as e:
         _plan_error(args.parser, e)
-    if args.kv_cache_memory_gib is None and args.gpu_memory_gib is None:
-        args.parser.error("argument --gpu-memory-gib: give the GPU's memory, or a fixed --kv-cache-memory-gib")
+    if args.kv_cache_memory is None and args.gpu_memory_gib is None:
+        args.parser.error("argument --gpu-memory-gib: give the GPU's memory, or a fixed --kv-cache-memory")
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     plan = plan_serving(
-        spec, dtype_bytes=dtype_bytes(args.dtype),
-        kv_dtype_bytes=dtype_bytes(args.dtype if args.kv_dtype == "auto" else args.kv_dtype),
+        spec, dtype_bytes=dtype_bytes(dtype),
+        kv_dtype_bytes=dtype_bytes(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
         max_model_len=args.max_model_len or spec.max_position_embeddings, block_size=args.block_size,
-        tp=args.tp, pp=args.pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=gib_bytes(args.kv_cache_memory_gib),
+        tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
         max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs,
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
@@ -256,8 +307,11 @@ def run_search(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`engine plan`: argv is what follows `plan` (`python -m engine.planning.cli train ...`)."""
-    parser = argparse.ArgumentParser(prog="engine plan", description=__doc__)
+    parser = ArgumentParser(prog="engine plan", description=__doc__)
+    add_log_level(parser)  # accepted for the same command line as the rest of `engine`; plan logs nothing
     add_commands(parser)
+    for _, sub in list(walk_parsers(parser))[1:]:
+        add_log_level(sub, top=False)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -37,7 +37,7 @@ def test_train_json_keys_and_plain_numbers():
 
 
 def test_serve_json_keys_and_fixed_kv_budget_matches_the_engine_rule():
-    out = plan_json("serve", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--kv-cache-memory-gib", "1.5", "--max-model-len", "2048")
+    out = plan_json("serve", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--kv-cache-memory", "1.5GiB", "--max-model-len", "2048")
     assert SERVE_KEYS <= out.keys()
     spec = ModelSpec.from_preset("qwen2.5-0.5b")
     expected = kv_capacity_tokens(int(1.5 * GiB), kv_bytes_per_token(spec, 4), 16)  # what the engine computes on CPU
@@ -55,6 +55,25 @@ def test_search_json_lists_fitting_plans_best_first():
         assert TRAIN_KEYS <= p.keys() and p["fits"] and p["memory_per_gpu"]["total"] <= 80 * GiB
 
 
+def test_engine_serve_spellings_mean_the_same_here():
+    """Flags copied from `engine serve` (or vLLM) give the plan the old spellings gave."""
+    base = ["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--max-model-len", "4096"]
+    old = plan_json(*base, "--tp", "2", "--dtype", "bfloat16", "--kv-dtype", "float16", "--kv-cache-memory-gib", "1.5")
+    for new in (["--tensor-parallel-size", "2", "--dtype", "bf16", "--kv-cache-dtype", "half",
+                 "--kv-cache-memory", "1.5GiB"],
+                ["-tp", "2", "--dtype", "auto", "--kv-cache-dtype", "fp16", "--kv-cache-memory", "1536MiB"]):
+        assert plan_json(*base, *new) == old
+    train = plan_json(*TRAIN, "--dtype", "bf16", "-tp", "2", "-pp", "2", "--gpus-per-node", "4")
+    assert train == plan_json(*TRAIN, "--dtype", "bfloat16", "--tp", "2", "--pp", "2", "--gpus-per-node", "4")
+
+
+def test_old_kv_flag_warns_and_abbreviations_are_refused():
+    done = engine_plan("serve", "--model", "llama-3-8b", "--kv-cache-memory-gib", "1.5", "--log-level", "debug")
+    assert done.returncode == 0 and "--kv-cache-memory-gib is deprecated: use --kv-cache-memory 1.5GiB" in done.stderr
+    done = engine_plan("serve", "--model", "llama-3-8b", "--kv-cache-mem", "2GiB")
+    assert done.returncode == 2 and "unrecognized arguments: --kv-cache-mem" in done.stderr
+
+
 @pytest.mark.parametrize("command", [
     [*TRAIN, "--gpu-memory-gib", "80"],
     ["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80"],
@@ -69,7 +88,9 @@ def test_tables_by_default(command):
 @pytest.mark.parametrize("argv, flag", [
     ([*TRAIN, "--gpus-per-node", "0"], "--gpus-per-node"),
     ([*TRAIN, "--tp", "3", "--gpus-per-node", "3"], "--tp"),
-    ([*TRAIN, "--tp", "2"], "--tp"),  # 2-way TP on one GPU
+    ([*TRAIN, "--tp", "2"], "--tensor-parallel-size/-tp/--tp"),  # 2-way TP on one GPU
+    (["serve", "--model", "llama-2-7b", "--kv-cache-memory", "0GiB"], "--kv-cache-memory"),
+    (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "-pp", "33"], "--pipeline-parallel-size"),
     (["train", "--layers", "2", "--hidden", "-64", "--heads", "4", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--hidden"),
     (["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--kv-heads"),
     ([*TRAIN, "--zero", "1", "--offload", "optimizer"], "--offload"),
