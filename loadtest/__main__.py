@@ -3,27 +3,36 @@
     python -m loadtest --users 8 --spawn-rate 2 --run-time 60s --out-dir loadtest-report
     python -m loadtest --host http://10.0.0.5:8000 --users 32 --run-time 5m   # an existing server
 
-Without --host it starts `python -m server.cli serve` on 127.0.0.1 (a free port), waits
-for /health, and stops it (its whole process group) afterwards. Locust runs as a
-subprocess with a hard time bound; its CSV files and HTML report land in --out-dir.
-Exit status: 0 when the failure ratio (failed / all requests, TTFT entries excluded) is
-at most --max-failure-ratio (default 0.01: a 1% budget for transient errors on long
-runs; pass 0 for a strict run), 1 when it is above or no request completed, 2 when
-Locust itself failed.
+Without --host it starts `engine serve` (python -m server.cli serve) on 127.0.0.1 and a free
+port, waits for /health, and stops it (its whole process group) afterwards. Locust runs headless
+with a hard time bound; its CSV files, its HTML report, the requests it drew (requests.json) and
+the server's log land in --out-dir (relative to the current folder). Prompts are sized in tokens
+so that prompt + max_tokens fits the served model's context window (max_model_len from
+GET /v1/models): exactly with the served model's tokenizer (--tokenizer; the started server's
+own by default), else estimated.
+
+Exit status: 0 when the failure ratio (failed / all requests, TTFT entries excluded) is at most
+--max-failure-ratio, 1 when it is above or no request completed, 2 when a setting or a package
+is missing or Locust itself failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 
-from engine.bench.launch import REPO_ROOT, ServerProcess, engine_server_cmd, health_ok
-
+PROG = "python -m loadtest"
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
+
+
+def fail(message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def parse_run_time(text: str) -> float:
@@ -41,24 +50,111 @@ def parse_run_time(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default=None, help="base URL of a running server (default: start one here)")
-    p.add_argument("--model", default=None, help="model folder for the started server (default: the embedded one)")
-    p.add_argument("--model-name", default=None, help="model name in requests (default: GET /v1/models)")
-    p.add_argument("--api-key", default=None, help="bearer token (default: $PAGEWISE_API_KEY / $OPENAI_API_KEY)")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for the started server, e.g. --server-arg=--dtype=float32 (repeatable)")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
-    p.add_argument("--run-time", default="30s", help="Locust run time, e.g. 30s, 5m (default %(default)s)")
-    p.add_argument("--max-prompt-words", type=int, default=None, help="cap on prompt length (locustfile default 400)")
-    p.add_argument("--max-output-tokens", type=int, default=None, help="cap on max_tokens (locustfile default 128)")
-    p.add_argument("--out-dir", default="loadtest-report", help="where the CSV and HTML reports go")
-    p.add_argument("--max-failure-ratio", type=float, default=0.01,
-                   help="exit non-zero above this failed/total ratio (default %(default)s)")
+    from engine.arg_utils import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=None, metavar="URL",
+                   help="base URL of a running server (default: start `engine serve` here)")
+    g.add_argument("--model", default=None, help="model folder for the started server (default: the embedded one)")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the started server, e.g. --server-arg=--max-model-len=1024; it runs "
+                        "in the package's folder, so paths in it must be absolute (repeatable; default: none)")
+    g.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds the started server may take to answer /health")
+    g = p.add_argument_group("requests")
+    g.add_argument("--model-name", default=None, help="model name in requests (default: the first of GET /v1/models)")
+    g.add_argument("--api-key", default=None,
+                   help="bearer token (default: $PAGEWISE_API_KEY, else $OPENAI_API_KEY, else none)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the served model's tokenizer folder, for exact prompt sizes (default: the started server's "
+                        "model; with --host, none: sizes are estimated at 2 tokens a word)")
+    g.add_argument("--max-prompt-tokens", type=int, default=800, metavar="N",
+                   help="longest prompt in tokens (also capped by the model's context window)")
+    g.add_argument("--max-prompt-words", dest="max_prompt_tokens", type=int, help=argparse.SUPPRESS)  # old name
+    g.add_argument("--max-output-tokens", type=int, default=128, metavar="N", help="largest max_tokens asked for")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompt mix: the pool of sized requests, and user i's picks from it (seed + i)")
+    g = p.add_argument_group("load and report")
+    g.add_argument("--users", type=int, default=8, metavar="N", help="simulated users")
+    g.add_argument("--spawn-rate", type=float, default=2.0, metavar="R", help="users started per second")
+    g.add_argument("--run-time", default="30s", metavar="T", help="Locust run time, e.g. 30s, 5m, 1h30m")
+    g.add_argument("--out-dir", default="loadtest-report", metavar="DIR",
+                   help="where the CSV and HTML reports (and the started server's log) go, relative to the current "
+                        "folder")
+    g.add_argument("--max-failure-ratio", type=float, default=0.01, metavar="R",
+                   help="exit 1 above this failed / total ratio; 0 for a strict run")
     return p
+
+
+def check(args) -> None:
+    """Everything the run needs, before a server is started: exit 2 with the fix otherwise."""
+    if importlib.util.find_spec("locust") is None:
+        fail('the load test needs locust, which is not installed: pip install locust '
+             '(or pip install "pagewise[bench]" for every optional package of the benchmarks)')
+    try:
+        parse_run_time(args.run_time)
+    except argparse.ArgumentTypeError as e:
+        fail(f"--run-time: {e}")
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        fail(f"--tokenizer {args.tokenizer}: no such folder")
+    if args.model and not os.path.exists(args.model):
+        fail(f"--model {args.model}: no such folder or file")
+    if args.users < 1 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
+        fail("--users, --max-prompt-tokens and --max-output-tokens must be >= 1")
+
+
+def served_tokenizer(args) -> str | None:
+    """The tokenizer that sizes prompts exactly: --tokenizer, else the started server's model."""
+    if args.tokenizer:
+        return os.path.abspath(args.tokenizer)
+    if args.host:
+        return None
+    if args.model:
+        return os.path.abspath(args.model)
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def read_models(host: str, api_key: str | None) -> dict:
+    """GET /v1/models ({} when it does not answer: the users then ask it themselves)."""
+    import json
+    import urllib.request
+
+    from engine.bench.backends.openai_http import auth_headers
+
+    try:
+        req = urllib.request.Request(host + "/v1/models", headers=auth_headers(api_key))
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+    except Exception as e:  # a warning, not a reason to stop
+        print(f"warning: GET {host}/v1/models failed ({e}): prompts are not sized to the context window",
+              file=sys.stderr)
+        return {}
+
+
+def write_requests(args, host: str, tokenizer: str | None) -> tuple[str, str | None]:
+    """Draw the seeded pool of sized requests into OUT_DIR/requests.json; returns (path, model name)."""
+    from loadtest.workload import TokenCounter, model_limits, request_pool, save_pool
+
+    model, max_model_len = model_limits(read_models(host, args.api_key))
+    tok = None
+    if tokenizer:
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    try:
+        pool = request_pool(args.seed, TokenCounter(tok), max_model_len, args.max_prompt_tokens,
+                            args.max_output_tokens)
+    except ValueError as e:
+        fail(str(e))
+    path = os.path.join(args.out_dir, "requests.json")
+    save_pool(path, pool, args.model_name or model, max_model_len, exact=tok is not None)
+    sizes = (f"exact ({tokenizer})" if tok is not None else "estimated (no --tokenizer)")
+    print(f"model {args.model_name or model}, max_model_len {max_model_len}: prompt sizes {sizes}, "
+          f"seed {args.seed}; requests in {path}", flush=True)
+    return path, args.model_name or model
 
 
 def read_stats(prefix: str) -> list[dict]:
@@ -88,21 +184,23 @@ def summarize(rows: list[dict]) -> tuple[str, int, int]:
     return "\n".join(lines), total, fails
 
 
-def run_locust(args, host: str) -> int:
-    os.makedirs(args.out_dir, exist_ok=True)
-    prefix = os.path.join(args.out_dir, "locust")
+def run_locust(args, host: str, tokenizer: str | None) -> int:
+    from engine.bench.launch import python_path_env
+
+    out_dir = args.out_dir  # absolute (main): Locust runs in it, and we read its files from anywhere
+    os.makedirs(out_dir, exist_ok=True)
+    prefix = os.path.join(out_dir, "locust")
+    requests_file, model_name = write_requests(args, host, tokenizer)
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "--host", host,
            "--users", str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time,
-           "--stop-timeout", "30", "--csv", prefix, "--html", os.path.join(args.out_dir, "report.html"),
-           "--only-summary", "--loglevel", "WARNING"]
-    for flag, value in (("--model-name", args.model_name), ("--api-key", args.api_key),
-                        ("--max-prompt-words", args.max_prompt_words),
-                        ("--max-output-tokens", args.max_output_tokens)):
-        if value:
-            cmd += [flag, str(value)]
+           "--stop-timeout", "30", "--csv", prefix, "--html", os.path.join(out_dir, "report.html"),
+           "--only-summary", "--loglevel", "WARNING", "--seed", str(args.seed), "--requests-file", requests_file]
+    if model_name:
+        cmd += ["--model-name", model_name]
+    env = python_path_env({"PAGEWISE_API_KEY": args.api_key} if args.api_key else {})  # not on the command line
     bound = parse_run_time(args.run_time) + 30 + 60  # run time + stop timeout + start-up slack
     print(f"locust: {args.users} users, spawn rate {args.spawn_rate}/s, {args.run_time} against {host}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=out_dir, env=env, start_new_session=True)
     try:
         proc.wait(timeout=bound)
     except subprocess.TimeoutExpired:
@@ -122,7 +220,7 @@ def run_locust(args, host: str) -> int:
     ratio = fails / total if total else 1.0
     print("\n" + table)
     print(f"\n{total} requests, {fails} failed (ratio {ratio:.4f}, allowed {args.max_failure_ratio}); "
-          f"reports in {args.out_dir}/ (report.html, locust_stats.csv, locust_failures.csv, ...)")
+          f"reports in {out_dir}/ (report.html, locust_stats.csv, locust_failures.csv, requests.json, ...)")
     if total == 0:
         print("no request completed", file=sys.stderr)
         return 1
@@ -131,18 +229,27 @@ def run_locust(args, host: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check(args)
+    args.out_dir = os.path.abspath(args.out_dir)  # relative to where the user stands, not to this package
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop what we started
+    from engine.bench.launch import ServerProcess, engine_server_cmd, health_ok
+
+    try:
+        tokenizer = served_tokenizer(args)
+    except (ImportError, OSError) as e:  # the default model's package is missing or damaged
+        fail(str(e))
     if args.host:
         if not health_ok(args.host):
             print(f"warning: {args.host}/health does not answer 200", file=sys.stderr)
-        return run_locust(args, args.host.rstrip("/"))
-    cmd = engine_server_cmd(args.model, args.server_arg)
-    log = os.path.join(os.path.abspath(args.out_dir), "server.log")
+        return run_locust(args, args.host.rstrip("/"), tokenizer)
+    model = os.path.abspath(args.model) if args.model else None
+    cmd = engine_server_cmd(model, args.server_arg)
     os.makedirs(args.out_dir, exist_ok=True)
+    log = os.path.join(args.out_dir, "server.log")
     print(f"starting the server: {' '.join(cmd)}", flush=True)
     with ServerProcess(cmd, startup_timeout=args.startup_timeout, log_path=log, name="engine-server") as server:
         print(f"server healthy at {server.base_url} after {server.startup_s:.1f}s (log: {log})", flush=True)
-        return run_locust(args, server.base_url)
+        return run_locust(args, server.base_url, tokenizer)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
 """Locust users for an OpenAI-compatible server (pagewise or any other).
 
-Each user mixes four requests: chat and completions, streamed and not, with prompt
-lengths drawn from a short / medium / long mixture (chat questions, pasted paragraphs,
-long documents) and a random max_tokens. Streamed requests are reported with their full
-duration (until `data: [DONE]`), and their time to first token as a separate entry of
-type TTFT ("TTFT chat", "TTFT completions"). A request fails on a non-2xx status, a body
-that is not the expected JSON, or, when streamed, a data line that is not valid JSON or a
-stream that does not end with `data: [DONE]`.
+Each user mixes four requests: chat and completions, streamed and not, with prompt lengths
+drawn from a short / medium / long mixture (chat questions, pasted paragraphs, long documents)
+and a random max_tokens, sized so that prompt + max_tokens fits the served model's context
+window (`max_model_len` from GET /v1/models). `python -m loadtest` sizes them exactly with the
+served model's tokenizer and passes them in --requests-file; run alone, Locust estimates the
+sizes (transformers cannot be imported under gevent). Streamed requests are reported with their
+full duration (until `data: [DONE]`), and their time to first token as a separate entry of type
+TTFT ("TTFT chat", "TTFT completions"). A request fails on a non-2xx status, a body that is not
+the expected JSON, or, when streamed, a data line that is not valid JSON or a stream that does
+not end with `data: [DONE]`.
 
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 2 -t 30s
 
 Custom options (command line or environment):
     --model-name / PAGEWISE_MODEL_NAME      model in requests (default: first of GET /v1/models)
-    --api-key / PAGEWISE_API_KEY            bearer token (also OPENAI_API_KEY)
-    --max-prompt-words / PAGEWISE_MAX_PROMPT_WORDS   cap on prompt length (default 400)
-    --max-output-tokens / PAGEWISE_MAX_OUTPUT_TOKENS cap on max_tokens (default 128)
+    --api-key / PAGEWISE_API_KEY            bearer token (else $OPENAI_API_KEY)
+    --requests-file / PAGEWISE_REQUESTS_FILE         sized requests (written by python -m loadtest)
+    --max-prompt-tokens / PAGEWISE_MAX_PROMPT_TOKENS   longest prompt in tokens (default 800)
+    --max-output-tokens / PAGEWISE_MAX_OUTPUT_TOKENS   largest max_tokens (default 128)
+    --seed / PAGEWISE_LOADTEST_SEED         seed of the prompt mix (default 0)
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ import random
 import sys
 import time
 
+from gevent.lock import Semaphore
 from locust import HttpUser, between, events, task
 
 if __package__ in (None, ""):  # run as `locust -f loadtest/locustfile.py`: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loadtest.workload import StreamError, make_prompt, read_sse  # noqa: E402
+from engine.bench.backends.openai_http import resolve_api_key  # noqa: E402
+from loadtest.workload import (  # noqa: E402
+    StreamError, TokenCounter, load_pool, messages, model_limits, read_sse, request_pool,
+)
 
 
 @events.init_command_line_parser.add_listener
@@ -36,44 +45,65 @@ def _add_options(parser):
     parser.add_argument("--model-name", type=str, env_var="PAGEWISE_MODEL_NAME", default="",
                         help="model name sent in requests (default: first id of GET /v1/models)")
     parser.add_argument("--api-key", type=str, env_var="PAGEWISE_API_KEY", default="", is_secret=True,
-                        help="bearer token (default: $OPENAI_API_KEY)")
-    parser.add_argument("--max-prompt-words", type=int, env_var="PAGEWISE_MAX_PROMPT_WORDS", default=400,
-                        help="longest prompt in words")
+                        help="bearer token (default: $PAGEWISE_API_KEY, else $OPENAI_API_KEY)")
+    parser.add_argument("--requests-file", type=str, env_var="PAGEWISE_REQUESTS_FILE", default="",
+                        help="sized requests, as python -m loadtest writes them (default: drawn here, sizes estimated)")
+    parser.add_argument("--max-prompt-tokens", type=int, env_var="PAGEWISE_MAX_PROMPT_TOKENS", default=800,
+                        help="longest prompt in tokens (without --requests-file)")
     parser.add_argument("--max-output-tokens", type=int, env_var="PAGEWISE_MAX_OUTPUT_TOKENS", default=128,
-                        help="largest max_tokens asked for")
+                        help="largest max_tokens asked for (without --requests-file)")
+    parser.add_argument("--seed", type=int, env_var="PAGEWISE_LOADTEST_SEED", default=0,
+                        help="seed of the prompt mix: the pool of requests, and user i's picks (seed + i)")
 
 
 class OpenAIUser(HttpUser):
     wait_time = between(0.1, 1.0)
-    _model_name: str | None = None  # shared by all users once resolved
+    # Shared by all users, set by the first one to start (the others wait for it).
+    _model_name: str | None = None
+    _pool: dict[str, list[tuple[str, int]]] | None = None
+    _setup = Semaphore()
+    _started = 0  # users started so far: user i picks requests with seed + i
+
+    def option(self, name: str, default):
+        opts = self.environment.parsed_options
+        return getattr(opts, name, default) if opts else default
 
     def on_start(self):
-        opts = self.environment.parsed_options
-        self.rng = random.Random()
-        key = (getattr(opts, "api_key", "") or os.environ.get("OPENAI_API_KEY", "")) if opts else ""
+        self.rng = random.Random(self.option("seed", 0) + OpenAIUser._started)
+        OpenAIUser._started += 1
+        key = resolve_api_key(self.option("api_key", None))
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.max_words = getattr(opts, "max_prompt_words", 400) if opts else 400
-        self.max_out = getattr(opts, "max_output_tokens", 128) if opts else 128
-        name = getattr(opts, "model_name", "") if opts else ""
-        if name:
-            OpenAIUser._model_name = name
-        if OpenAIUser._model_name is None:
+        with OpenAIUser._setup:  # before any request: the sizes depend on the model
+            if OpenAIUser._pool is None:
+                self._prepare()
+
+    def _prepare(self) -> None:
+        option = self.option
+        pool = load_pool(option("requests_file", "")) if option("requests_file", "") else None
+        OpenAIUser._model_name = option("model_name", "") or (pool or {}).get("model")
+        max_model_len = (pool or {}).get("max_model_len")
+        if OpenAIUser._model_name is None or pool is None:
             with self.client.get("/v1/models", headers=self.headers, name="GET /v1/models",
                                  catch_response=True) as r:
                 try:
-                    OpenAIUser._model_name = r.json()["data"][0]["id"]
+                    first, max_model_len = model_limits(r.json())
+                    OpenAIUser._model_name = OpenAIUser._model_name or first
+                    if OpenAIUser._model_name is None:
+                        raise ValueError("no model listed")
                 except Exception as e:
-                    r.failure(f"cannot read the model name from /v1/models: {e}")
+                    r.failure(f"cannot read the model from /v1/models: {e}")
+        OpenAIUser._pool = pool["requests"] if pool else request_pool(
+            option("seed", 0), TokenCounter(None), max_model_len, option("max_prompt_tokens", 800),
+            option("max_output_tokens", 128))
 
     def _body(self, kind: str, stream: bool) -> dict:
-        prompt = make_prompt(self.rng, self.max_words)
-        body = {"model": OpenAIUser._model_name or "default", "max_tokens": self.rng.randint(8, self.max_out),
+        prompt, max_tokens = self.rng.choice(OpenAIUser._pool[kind])
+        body = {"model": OpenAIUser._model_name or "default", "max_tokens": max_tokens,
                 "temperature": self.rng.choice([0.0, 0.7, 1.0]), "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
         if kind == "chat":
-            body["messages"] = [{"role": "system", "content": "You are a helpful assistant."},
-                                {"role": "user", "content": prompt}]
+            body["messages"] = messages(prompt)
         else:
             body["prompt"] = prompt
         return body
@@ -106,8 +136,9 @@ class OpenAIUser(HttpUser):
                 return
             r.success()
         if ttft:
-            self.environment.events.request.fire(request_type="TTFT", name=f"TTFT {kind}", response_time=ttft[0] * 1000.0,
-                                response_length=0, exception=None, context={})
+            self.environment.events.request.fire(request_type="TTFT", name=f"TTFT {kind}",
+                                                 response_time=ttft[0] * 1000.0, response_length=0, exception=None,
+                                                 context={})
 
     @task(3)
     def chat_stream(self):

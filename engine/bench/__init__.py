@@ -1,7 +1,8 @@
 """Benchmarks: pagewise against vLLM and Hugging Face transformers.
 
     cli.py        `engine bench throughput | latency | serve` (argument parsing only)
-    runner.py     resolves settings, draws requests, runs a mode, reports
+    runner.py     checks and resolves settings, draws requests, runs a mode, reports
+    checks.py     optional packages and the vLLM interpreter, checked before any work
     datasets.py   random token-id prompts and ShareGPT files -> SampleRequest
     offline.py    one backend in this process: start-up apart, then the measured window
     compare.py    `--compare`: each backend in its own process on identical requests

@@ -21,20 +21,30 @@ from engine.bench.datasets import SampleRequest, save_requests
 from engine.bench.launch import REPO_ROOT, python_path_env
 
 # Options the parent consumes itself; children get everything else as given.
-PARENT_ONLY = {"compare", "output_json", "plot", "backend", "requests_file", "result_json"}
+PARENT_ONLY = {"compare", "output_json", "plot", "backend", "requests_file", "result_json", "log_level"}
 
 
 def child_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """Re-emit the options that differ from their defaults, so a child sees the same settings."""
+    """Re-emit the options that differ from their defaults, so a child sees the same settings.
+
+    One flag per setting (its first long spelling), whatever alias the user typed."""
     out: list[str] = []
+    seen: set[str] = set()
     for action in parser._actions:
-        if not action.option_strings or action.dest in PARENT_ONLY or action.dest == "help":
+        if not action.option_strings or action.dest in PARENT_ONLY or action.dest in seen:
             continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default or value is None:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
             continue
-        flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        seen.add(action.dest)
+        value, default = getattr(args, action.dest, action.default), action.default
+        if isinstance(default, str) and callable(action.type):  # argparse converts string defaults
+            default = action.type(default)
+        if value == default or value is None:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
             out.append(flag)
         elif isinstance(action, argparse._AppendAction):
             for v in value:

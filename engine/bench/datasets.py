@@ -53,9 +53,9 @@ def random_requests(
     range_ratio: float = 0.0, seed: int = 0,
 ) -> list[SampleRequest]:
     if num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
     if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
     vocab = ordinary_token_ids(tokenizer)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
@@ -96,8 +96,9 @@ def sharegpt_requests(
 
 
 def build_requests(args, tokenizer, max_model_len: int | None = None) -> list[SampleRequest]:
-    """The dataset the CLI arguments describe."""
-    if args.dataset_path:
+    """The dataset the CLI arguments describe (`--dataset-name`, resolved by the runner)."""
+    name = getattr(args, "dataset_name", None) or ("sharegpt" if args.dataset_path else "random")
+    if name == "sharegpt":
         return sharegpt_requests(
             tokenizer, args.dataset_path, args.num_prompts, args.seed,
             output_len=args.sharegpt_output_len, max_model_len=max_model_len,

@@ -52,6 +52,19 @@ def vllm_server_cmd(model: str, extra: list[str] | None = None, python: str | No
             "--model", model, "--host", "127.0.0.1", "--port", "{port}"] + list(extra or [])
 
 
+def cli_flags(settings: dict) -> list[str]:
+    """{"max_model_len": 128, "enable_prefix_caching": False} -> ["--max-model-len", "128",
+    "--no-enable-prefix-caching"]: keyword settings as the flags of `engine serve` / `vllm serve`."""
+    out: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def python_path_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """os.environ plus `env`, with this repository importable (for interpreters without it)."""
     out = dict(os.environ)

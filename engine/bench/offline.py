@@ -96,6 +96,9 @@ def run_latency(args, requests: list[SampleRequest]) -> dict:
     bar.close()
     pct = args.percentiles
     out.update(
+        # Only the measured iterations count: warm-up batches and the prefill-only TTFT batches do not.
+        batch_size=args.batch_size, num_iters=len(e2es), num_iters_warmup=n_warm,
+        num_requests=len(e2es) * args.batch_size,
         latencies_s=e2es, ttfts_s=ttfts, e2e=distribution(e2es, pct), ttft=distribution(ttfts, pct),
         tpot=distribution(tpots, pct), token_count_ok=counts_ok, info=backend.info(),
     )

@@ -13,37 +13,55 @@ import sys
 from engine.bench import report, serve
 from engine.bench.datasets import build_requests
 
+# Engine flags a launched `engine serve` always gets, whatever their values: the bench resolves them.
+ALWAYS_PASSED = ("dtype", "seed", "num_threads", "kv_cache_memory")
+
+
+def engine_server_settings(args) -> dict:
+    """Every engine flag of the bench that differs from EngineConfig's default, plus ALWAYS_PASSED."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+
+    out = {}
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if f.name != "model" and value is not None and (f.name in ALWAYS_PASSED or value != f.default):
+            out[f.name] = value
+    return out
+
 
 def launch_cmd(args, which: str) -> tuple[list[str], dict]:
     """The server command line (with "{port}") and extra environment for `which`."""
     import torch
 
-    from engine.bench.backends.vllm import cpu_env
-    from engine.bench.launch import engine_server_cmd, vllm_server_cmd
+    from engine.bench.backends.vllm import cpu_env, vllm_engine_kwargs, warn_kv_env
+    from engine.bench.launch import cli_flags, engine_server_cmd, vllm_server_cmd
 
     cpu = not torch.cuda.is_available()
-    kv_bytes = str(int(args.kv_cache_gib * (1 << 30)))
-    common = ["--dtype", args.dtype, "--seed", str(args.seed)]
-    if args.served_model_name:
-        common += ["--served-model-name", args.served_model_name]
+    named = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     if which == "engine":
-        ours = ["--num-threads", str(args.num_threads), "--kv-cache-memory", kv_bytes]
-        return engine_server_cmd(args.model, common + ours + args.server_arg), {}
+        return engine_server_cmd(args.model, cli_flags(engine_server_settings(args)) + named + args.server_arg), {}
     # vLLM-CPU: every core for compute, and the same explicit KV budget as ours.
+    if cpu:
+        warn_kv_env()
     env = {k: os.environ.get(k, v) for k, v in cpu_env(args.num_threads).items()} if cpu else {}
-    theirs = ["--kv-cache-memory-bytes", kv_bytes] if cpu else []
-    return vllm_server_cmd(args.model, common + theirs + args.server_arg, python=args.vllm_python), env
+    flags = cli_flags(vllm_engine_kwargs(args, cpu)) + named + args.server_arg
+    return vllm_server_cmd(args.model, flags, python=args.vllm_python), env
 
 
-def check_vllm(python: str) -> None:
-    """Fail early, with install instructions, if `python` cannot import vLLM."""
-    import subprocess
-
-    from engine.bench.backends.vllm import INSTALL_HINT
-
-    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        raise SystemExit(INSTALL_HINT.format(python=python) + "\n" + "".join(probe.stderr.strip().splitlines()[-1:]))
+def result_path(args, runs: list[dict], started) -> str:
+    """Where --save-result writes: vLLM's name, LABEL-RATEqps[-concurrencyN]-MODEL-DATE-TIME.json."""
+    name = args.result_filename
+    if not name:
+        label = args.label or ("+".join(args.launch) if args.launch else
+                               {"completions": "openai", "chat": "openai-chat"}[args.endpoint])
+        levels = [str(n) for n in args.concurrency_levels if n is not None]
+        concurrency = f"-concurrency{'_'.join(levels)}" if levels else ""
+        model = args.served_model_name or next((r.get("served_model_name") for r in runs), None) or args.model
+        model_id = str(model).rstrip("/").split("/")[-1]
+        name = f"{label}-{args.request_rate}qps{concurrency}-{model_id}-{started:%Y%m%d-%H%M%S}.json"
+    return os.path.join(args.result_dir or ".", name)
 
 
 def load_label(args, level: int | None) -> str:
@@ -68,22 +86,17 @@ def measure_levels(args, requests, tokenizer, base_url: str, server: str, levels
 
 
 def run_serve(args) -> int:
-    from engine.bench.cli import _levels
+    from datetime import datetime
+
     from engine.bench.launch import ServerProcess
     from engine.bench.runner import load_tokenizer, settings
 
-    try:
-        levels = _levels(args.max_concurrency)
-    except Exception as e:
-        raise SystemExit(f"engine bench serve: {e}") from None
-    if not args.launch and not args.base_url:
-        raise SystemExit("engine bench serve: give --base-url URL or --launch engine|vllm[,...]")
+    started = datetime.now()
+    levels = args.concurrency_levels
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     requests = build_requests(args, tokenizer)
     runs: list[dict] = []
     servers: dict[str, dict] = {}
-    if "vllm" in (args.launch or []):
-        check_vllm(args.vllm_python or sys.executable)
     for which in args.launch or []:
         cmd, env = launch_cmd(args, which)
         log = None
@@ -106,11 +119,13 @@ def run_serve(args) -> int:
 
     print("\n" + summary_table(runs, servers, args.percentiles))
     print(f"\nmodel {args.model}, dtype {args.dtype}, {len(requests)} requests per run, endpoint {args.endpoint}, "
-          f"prompts as {args.prompt_format}, ignore_eos {args.ignore_eos}")
+          f"prompts as {'text' if args.endpoint == 'chat' else args.prompt_format}, ignore_eos {args.ignore_eos}")
     out = {"mode": "serve", "settings": settings(args), "environment": report.environment(),
            "servers": servers, "runs": runs}
     if args.output_json:
         report.write_json(args.output_json, out)
+    if args.save_result:
+        report.write_json(result_path(args, runs, started), out)
     if args.plot:
         from engine.bench import plot
 

@@ -85,7 +85,8 @@ def throughput_table(results: list[dict], baseline: str = "engine") -> str:
     for r in results:
         m = r.get("metrics")
         if m is None:
-            rows.append([r["backend"], None, None, None, None, None, None, "n/a", "failed: " + _first_line(r.get("error"))])
+            rows.append([r["backend"], None, None, None, None, None, None, "n/a",
+                         "failed: " + _first_line(r.get("error"))])
             continue
         ratio = m["output_tokens_per_s"] / base["metrics"]["output_tokens_per_s"] if base else None
         rows.append([

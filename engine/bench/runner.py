@@ -1,8 +1,12 @@
-"""Glue for the three modes: resolve settings once, draw requests, run, report.
+"""Glue for the three modes: check the settings and the environment, resolve them once, draw
+requests, run, report.
 
-A `--compare` parent (or a vllm run under `--vllm-python`) delegates each backend to a
-child process (compare.py); a child, or a plain single-backend run, works in-process
-(offline.py). `serve` always runs in-process, against a URL or servers it launches (online.py).
+Everything a user can get wrong (flags that do not fit together, a missing optional package, a
+vLLM interpreter that cannot import vLLM, an engine setting out of range) fails here, in one
+line with exit status 2, before any work. A `--compare` parent (or a vllm run under
+`--vllm-python`) delegates each backend to a child process (compare.py); a child, or a plain
+single-backend run, works in-process (offline.py). `serve` always runs in-process, against a URL
+or servers it launches (online.py).
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ import json
 import os
 import sys
 
-from engine.bench import report
+from engine.bench import checks, report
+from engine.bench.checks import fail
 from engine.bench.datasets import build_requests, load_requests, random_requests
+
+OFFLINE_BACKENDS = ("engine", "hf", "vllm")
 
 
 def resolve_model(model: str | None) -> str:
@@ -20,9 +27,10 @@ def resolve_model(model: str | None) -> str:
         return os.path.expanduser(model)
     try:
         from engine.default_model import default_model_path
-    except ImportError as e:
-        raise SystemExit(f"no --model given and the default model is unavailable ({e}); pass --model PATH") from None
-    return str(default_model_path())
+
+        return str(default_model_path())
+    except (ImportError, OSError) as e:
+        fail(f"no --model given and the default model is unavailable ({e}); pass --model PATH")
 
 
 def resolve_dtype(dtype: str, device: str = "auto") -> str:
@@ -40,29 +48,104 @@ def load_tokenizer(path: str):
 
 
 def settings(args) -> dict:
-    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func",)}
+    out = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func",)}
+    if out.get("api_key"):
+        out["api_key"] = "<set>"  # a report is shared; the key stays out of it
+    return out
 
 
-def run(args) -> int:
-    from engine.bench.compare import child_argv
-    from engine.bench.cli import _percentiles, parse_kv
+def validate(args) -> None:
+    """Settings that parse one by one but not together: exit 2 before any work."""
+    from engine.bench.cli import _levels, _percentiles, parse_kv
     from engine.bench.metrics import parse_goodput
 
-    base_argv = child_argv(args._parser, args)  # before any normalisation below
     try:
         args.percentiles = _percentiles(args.percentiles)
         if args.bench_mode == "serve":
             args.goodput_slos = parse_goodput(args.goodput)
+            args.concurrency_levels = _levels(args.max_concurrency)
+        else:
+            args.vllm_kwargs = parse_kv(args.vllm_arg)
     except Exception as e:
-        raise SystemExit(f"engine bench: {e}") from None
-    if args.bench_mode != "serve":
-        args.engine_kwargs = parse_kv(args.engine_arg)
+        fail(str(e))
+    if args.bench_mode != "latency":
+        validate_dataset(args)
+    if args.bench_mode == "serve":
+        if not args.launch and not args.base_url:
+            fail("give --base-url URL (a running server) or --launch engine|vllm[,...] (servers the bench starts)")
+        if args.result_dir or args.result_filename:
+            args.save_result = True
+        if args.save_result:
+            try:
+                os.makedirs(args.result_dir or ".", exist_ok=True)
+            except OSError as e:
+                fail(f"--result-dir {args.result_dir}: {e}")
+        return
+    args.backends = [b.strip() for b in args.compare.split(",") if b.strip()] if args.compare else [args.backend]
+    unknown = [b for b in args.backends if b not in OFFLINE_BACKENDS]
+    if unknown or not args.backends:
+        fail(f"--compare takes backends from {', '.join(OFFLINE_BACKENDS)}, e.g. engine,hf; got {args.compare!r}")
+    if args.bench_mode == "latency":
+        for flag, value, low in (("--batch-size", args.batch_size, 1), ("--input-len", args.input_len, 1),
+                                 ("--output-len", args.output_len, 1), ("--num-iters", args.num_iters, 1),
+                                 ("--num-iters-warmup", args.num_iters_warmup, 0)):
+            if value < low:
+                fail(f"{flag} must be >= {low}, got {value}")
+
+
+def validate_dataset(args) -> None:
+    if args.dataset_name is None:
+        args.dataset_name = "sharegpt" if args.dataset_path else "random"
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            fail("--dataset-name sharegpt reads --dataset-path FILE.json: give it")
+        if not os.path.isfile(args.dataset_path):
+            fail(f"--dataset-path {args.dataset_path}: no such file")
+    elif args.dataset_path:
+        fail("--dataset-path is a ShareGPT file: add --dataset-name sharegpt, or drop it for random prompts")
+    if args.num_prompts < 1:
+        fail(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.dataset_name == "random":
+        if args.input_len < 1 or args.output_len < 1:
+            fail(f"--random-input-len and --random-output-len must be >= 1, got {args.input_len} and {args.output_len}")
+        if not 0.0 <= args.range_ratio < 1.0:
+            fail(f"--random-range-ratio must be in [0, 1), got {args.range_ratio}")
+
+
+def check_engine_config(args) -> None:
+    """The engine flags make a valid EngineConfig (the same validation as `engine serve`)."""
+    from engine.arg_utils import engine_config_from_args
+
+    try:
+        engine_config_from_args(args)
+    except ValueError as e:
+        fail(str(e))
+
+
+def absolute_paths(args) -> None:
+    """Launched servers and --compare children run in the package's folder: give them absolute paths."""
+    for name in ("model", "tokenizer", "chat_template"):
+        path = getattr(args, name, None)
+        if path and os.path.exists(os.path.expanduser(path)):  # a chat template may be Jinja text
+            setattr(args, name, os.path.abspath(os.path.expanduser(path)))
+
+
+def run(args) -> int:
+    from engine.bench.cli import parse_kv
+    from engine.bench.compare import child_argv
+
+    if args.bench_mode != "serve" and args.requests_file:  # a --compare child: the parent checked it all
+        args.percentiles = [float(p) for p in args.percentiles.split(",")]
         args.vllm_kwargs = parse_kv(args.vllm_arg)
-        if args.requests_file:  # a child of --compare
-            return run_child(args)
-    report.warn_if_busy()
+        return run_child(args)
+    absolute_paths(args)
+    base_argv = child_argv(args._parser, args) if args.bench_mode != "serve" else []  # before validate() parses
+    validate(args)
+    checks.check_environment(args)
     args.model = resolve_model(args.model)
-    args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "auto"))
+    args.dtype = resolve_dtype(args.dtype, args.device)
+    check_engine_config(args)
+    report.warn_if_busy()
     if args.bench_mode == "serve":
         from engine.bench.online import run_serve
 
@@ -99,13 +182,15 @@ def draw_offline_requests(args, tokenizer):
     return random_requests(tokenizer, n, args.input_len, args.output_len, 0.0, args.seed)
 
 
+def measured_requests(args, requests) -> int:
+    """The requests the reported numbers cover: latency counts only the measured full batches."""
+    return args.num_iters * args.batch_size if args.bench_mode == "latency" else len(requests)
+
+
 def run_offline(args, base_argv: list[str]) -> int:
     from engine.bench.compare import run_children
 
-    backends = [b.strip() for b in args.compare.split(",")] if args.compare else [args.backend]
-    unknown = [b for b in backends if b not in ("engine", "hf", "vllm")]
-    if unknown:
-        raise SystemExit(f"--compare: unknown backend(s) {unknown}; choose from engine, hf, vllm")
+    backends = args.backends
     requests = draw_offline_requests(args, load_tokenizer(args.tokenizer or args.model))
     # Children always get the resolved model / dtype / threads, whatever the defaults were.
     base_argv = base_argv + ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads)]
@@ -118,15 +203,19 @@ def run_offline(args, base_argv: list[str]) -> int:
     for r in results:
         if "error" in r:
             print(f"\n[{r['backend']}] {r['error']}", file=sys.stderr)
+    num_requests = measured_requests(args, requests)
+    first = requests[0]
     if args.bench_mode == "throughput":
         print("\n" + report.throughput_table(results, baseline=backends[0] if "engine" not in backends else "engine"))
+        counted = f"{num_requests} requests"
     else:
         print("\n" + report.latency_table(results, args.percentiles))
-    first = requests[0]
-    print(f"\nmodel {args.model}, dtype {args.dtype}, threads {args.num_threads}, {len(requests)} requests "
+        counted = (f"{num_requests} requests ({args.num_iters} measured batches of {args.batch_size}; "
+                   f"{args.num_iters_warmup} warm-up iterations not counted)")
+    print(f"\nmodel {args.model}, dtype {args.dtype}, threads {args.num_threads}, {counted} "
           f"(first: {first.prompt_len} prompt + {first.output_len} output tokens), EOS ignored, greedy")
     out = {"mode": args.bench_mode, "settings": settings(args), "environment": report.environment(),
-           "num_requests": len(requests), "results": results}
+           "num_requests": num_requests, "results": results}
     if args.output_json:
         report.write_json(args.output_json, out)
     if args.plot:

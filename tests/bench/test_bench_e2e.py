@@ -53,8 +53,10 @@ def test_latency_engine(tiny_model_dir, tmp_path):
     bench("latency", "--model", tiny_model_dir, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
           "--num-iters", "3", "--num-iters-warmup", "1", "--max-model-len", "128", "--output-json", str(out),
           "--disable-tqdm")
-    (r,) = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
     assert r["token_count_ok"] and len(r["latencies_s"]) == 3 and len(r["ttfts_s"]) == 3
+    assert report["num_requests"] == r["num_requests"] == 3 * 2  # measured batches x batch size, no warm-up
     for key in ("e2e", "ttft", "tpot"):
         assert ordered(r[key])
     assert r["e2e"]["mean_ms"] > r["tpot"]["mean_ms"] > 0
@@ -64,11 +66,15 @@ def test_serve_launch_engine(tiny_model_dir, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     n, out_len = 8, 6
     proc = bench("serve", "--launch", "engine", "--model", tiny_model_dir, "--num-prompts", str(n),
-                 "--input-len", "16", "--output-len", str(out_len), "--max-concurrency", "1,4",
-                 "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
-                 "--server-arg=--max-model-len=128", "--launch-timeout", "180",
-                 "--output-json", str(out), "--plot", str(png))
+                 "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(out_len),
+                 "--max-concurrency", "1,4", "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
+                 "--max-model-len", "128", "--launch-timeout", "180", "--backend", "openai",
+                 "--output-json", str(out), "--plot", str(png), "--save-result", "--result-dir", str(tmp_path / "res"))
     assert "Serving Benchmark Result" in proc.stdout and "| server |" in proc.stdout and png.stat().st_size > 0
+    assert "--max-model-len 128" in proc.stdout  # the engine flag reached the launched server
+    (saved,) = (tmp_path / "res").iterdir()
+    assert saved.name.startswith("engine-50.0qps-concurrency1_4-") and saved.suffix == ".json"
+    assert json.loads(saved.read_text()) == json.loads(out.read_text())
     report = json.loads(out.read_text())
     assert [(r["server"], r["max_concurrency"]) for r in report["runs"]] == [("engine", 1), ("engine", 4)]
     assert report["servers"]["engine"]["startup_s"] > 0

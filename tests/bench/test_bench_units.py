@@ -150,22 +150,6 @@ def test_payload_shapes():
         build_payload("chat", "m", [1, 2], 5, ignore_eos=False)
 
 
-def test_child_argv_repeats_non_default_settings():
-    import argparse
-
-    from engine.bench.cli import add_parser
-    from engine.bench.compare import child_argv
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    bench = add_parser(sub)
-    args = bench.parse_args(["throughput", "--compare", "engine,hf", "--num-prompts", "3", "--range-ratio", "0.5",
-                             "--engine-arg", "block_size=32", "--disable-tqdm", "--output-json", "x.json"])
-    argv = child_argv(args._parser, args)
-    assert argv == ["--disable-tqdm", "--num-prompts", "3", "--range-ratio", "0.5", "--engine-arg", "block_size=32"]
-    again = bench.parse_args(["throughput", *argv])
-    assert (again.num_prompts, again.range_ratio, again.engine_arg, again.compare) == (3, 0.5, ["block_size=32"], None)
-
-
 def test_vllm_backend_says_how_to_install():
     from engine.bench.backends.vllm import VLLMUnavailable, cpu_env, import_vllm
 

@@ -14,15 +14,10 @@ class EngineBackend:
 
     def load(self) -> None:
         from engine import LLM
+        from engine.arg_utils import engine_config_kwargs
 
-        a = self.args
-        kwargs = dict(model=a.model, dtype=a.dtype, seed=a.seed, num_threads=a.num_threads)
-        for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "device"):
-            if getattr(a, knob, None) is not None:
-                kwargs[knob] = getattr(a, knob)
-        kwargs["kv_cache_memory"] = int(a.kv_cache_gib * (1 << 30))  # used on CPU only
-        kwargs.update(a.engine_kwargs or {})
-        self.llm = LLM(**kwargs)
+        # Every engine flag as given (model and dtype already resolved by the runner).
+        self.llm = LLM(**engine_config_kwargs(self.args))
 
     @property
     def tokenizer(self):

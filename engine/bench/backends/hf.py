@@ -33,9 +33,10 @@ class HFBackend:
         import transformers
 
         a = self.args
-        self.device = "cuda" if (a.device in (None, "auto") and torch.cuda.is_available()) or a.device == "cuda" else "cpu"
+        cuda = a.device == "cuda" or (a.device in (None, "auto") and torch.cuda.is_available())
+        self.device = "cuda" if cuda else "cpu"
         self.dtype = torch_dtype(a.dtype, self.device)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(a.model)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(getattr(a, "tokenizer", None) or a.model)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=self.dtype).to(self.device)
         self.model.eval()
         gc = self.model.generation_config

@@ -34,8 +34,19 @@ def build_payload(endpoint: str, model: str, prompt, output_len: int, ignore_eos
     return payload
 
 
+# Where a client finds its key when no --api-key is given, in order (`engine serve` reads the same).
+API_KEY_ENV_VARS = ("PAGEWISE_API_KEY", "OPENAI_API_KEY")
+
+
+def resolve_api_key(api_key: str | None = None) -> str | None:
+    """--api-key, else $PAGEWISE_API_KEY, else $OPENAI_API_KEY, else None (no Authorization header)."""
+    if api_key:
+        return api_key
+    return next((os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
-    key = api_key or os.environ.get("OPENAI_API_KEY")
+    key = resolve_api_key(api_key)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

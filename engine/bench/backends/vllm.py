@@ -36,6 +36,14 @@ def cpu_env(num_threads: int | None) -> dict[str, str]:
     }
 
 
+def warn_kv_env() -> None:
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        import sys
+
+        print(f"note: VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} is set: vLLM-CPU sizes its KV "
+              "cache from it (GiB) instead of --kv-cache-memory; unset it for the same budget", file=sys.stderr)
+
+
 def import_vllm():
     try:
         import vllm  # noqa: F401
@@ -44,6 +52,32 @@ def import_vllm():
 
         raise VLLMUnavailable(INSTALL_HINT.format(python=sys.executable) + f"\n(import error: {e})") from None
     return vllm
+
+
+# EngineConfig fields vLLM knows by the same name: passed on only when set away from our default
+# (their defaults differ, and each engine's own default is what a plain run compares).
+SHARED_WHEN_SET = ("tokenizer", "max_model_len", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+                   "gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size")
+
+
+def vllm_engine_kwargs(args, cpu: bool) -> dict:
+    """vLLM settings equal to ours: dtype, seed and the batch budgets always, the shared knobs when
+    set, and on CPU the same KV cache budget (`kv_cache_memory_bytes`: without it vLLM-CPU sizes
+    its cache from the node's memory, and may refuse to start on a shared machine)."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    kwargs = {"dtype": args.dtype, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
+    for name in SHARED_WHEN_SET:
+        value = getattr(args, name, None)
+        if value is not None and value != defaults[name]:
+            kwargs[name] = value
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory)
+    return kwargs
 
 
 class VLLMBackend:
@@ -58,18 +92,14 @@ class VLLMBackend:
         import torch
 
         a = self.args
-        kwargs = dict(model=a.model, dtype=a.dtype, seed=a.seed)
-        if not torch.cuda.is_available():
+        cpu = not torch.cuda.is_available()
+        if cpu:
+            warn_kv_env()
             for k, v in cpu_env(a.num_threads).items():
                 os.environ.setdefault(k, v)
                 self.env[k] = os.environ[k]
-            # An explicit KV budget, the same as the engine's; without it vLLM-CPU reserves a
-            # fraction (0.92) of the node's memory and refuses to start on a shared machine.
-            kwargs["kv_cache_memory_bytes"] = int(a.kv_cache_gib * (1 << 30))
         vllm = import_vllm()
-        for knob in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(a, knob, None) is not None:
-                kwargs[knob] = getattr(a, knob)
+        kwargs = dict(model=a.model, **vllm_engine_kwargs(a, cpu))
         kwargs.update(a.vllm_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
 
