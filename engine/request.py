@@ -37,6 +37,7 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.forked = sampling_params.n == 1  # n > 1: the parent forks its choices once its prompt is done
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        self.penalty_state = None  # the sampler's token counts, for requests with penalties
 
     @property
     def key(self) -> str:

@@ -11,8 +11,9 @@ import torch
 
 from engine import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler, apply_penalties, filter_logits
+from engine.sampler import PenaltyState, Sampler, apply_penalties, filter_logits
 from tests.engine.hf_oracle import hf_greedy, hf_logits
+from tests.engine.sampling_reference import kept_tokens, penalise_row
 
 PROMPTS = [[5, 17, 42, 99], [7] * 20, [300, 200, 100]]
 
@@ -42,24 +43,85 @@ def test_top_k_1_and_temperature_0_equal_greedy(tiny_llm, tiny_models):
     assert t0 == expected and k1 == expected
 
 
+def _penalise(logits, prompt, output, presence, frequency, repetition):
+    state = PenaltyState(Request("r", prompt, SamplingParams()), logits.shape[-1], torch.device("cpu"))
+    state.output_counts.zero_()
+    state.frequency, state.presence = frequency, presence
+    state.subtract.zero_()
+    for t in output:
+        state.add(t)
+    return apply_penalties(logits[None].clone(), state.seen[None], state.subtract[None], torch.tensor([repetition]))[0]
+
+
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.2])
     prompt, output = [0, 4], [1, 1, 2]
-    got = apply_penalties(logits.clone(), prompt, output, presence=0.5, frequency=0.25, repetition=2.0)
+    got = _penalise(logits, prompt, output, presence=0.5, frequency=0.25, repetition=2.0)
     # Repetition (seen anywhere): positive / 2, negative * 2. Then OpenAI's on output counts.
     expected = [2.0 / 2, -1.0 * 2 - (0.25 * 2 + 0.5), 0.5 / 2 - (0.25 * 1 + 0.5), 3.0, -0.2 * 2]
     assert got.tolist() == pytest.approx(expected)
-    unchanged = apply_penalties(logits.clone(), prompt, output, presence=0.0, frequency=0.0, repetition=1.0)
-    assert torch.equal(unchanged, logits)
+    assert torch.equal(_penalise(logits, prompt, output, 0.0, 0.0, 1.0), logits)
 
 
 def test_filters_keep_the_documented_sets():
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    kept = lambda x: (~torch.isinf(x)).nonzero().flatten().tolist()  # noqa: E731
-    assert kept(filter_logits(logits, top_k=2, top_p=1.0, min_p=0.0)) == [0, 1]
-    assert kept(filter_logits(logits, top_k=0, top_p=0.8, min_p=0.0)) == [0, 1, 2]  # 0.5+0.2 < 0.8 <= +0.15
-    assert kept(filter_logits(logits, top_k=0, top_p=0.7, min_p=0.0)) == [0, 1]
-    assert kept(filter_logits(logits, top_k=0, top_p=1.0, min_p=0.3)) == [0, 1, 2]  # p >= 0.3 * 0.5
+
+    def kept(top_k, top_p, min_p):
+        out = filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+        return (~torch.isinf(out)).nonzero().flatten().tolist()
+
+    assert kept(2, 1.0, 0.0) == [0, 1]
+    assert kept(0, 0.8, 0.0) == [0, 1, 2]  # 0.5+0.2 < 0.8 <= +0.15
+    assert kept(0, 0.7, 0.0) == [0, 1]
+    assert kept(0, 1.0, 0.3) == [0, 1, 2]  # p >= 0.3 * 0.5
+
+
+def test_batched_filters_and_penalties_equal_the_row_by_row_definitions():
+    """Random batches, each row with its own settings, against the float64 oracle."""
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for _ in range(30):
+        batch, vocab = rng.randint(1, 6), rng.randint(2, 40)
+        logits = torch.randn(batch, vocab, generator=gen) * 3
+        top_k = [rng.choice([0, 1, 2, 5, vocab + 3]) for _ in range(batch)]
+        top_p = [rng.choice([1.0, 0.9, 0.5, 0.05]) for _ in range(batch)]
+        min_p = [rng.choice([0.0, 0.05, 0.3]) for _ in range(batch)]
+        got = filter_logits(logits.clone(), torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+        for row in range(batch):
+            kept = set((~torch.isinf(got[row])).nonzero().flatten().tolist())
+            assert kept == kept_tokens(logits[row], top_k[row], top_p[row], min_p[row]), (row, top_k, top_p, min_p)
+        prompt = [rng.randrange(vocab) for _ in range(4)]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        pen = (rng.choice([0.0, 0.5, -1.0]), rng.choice([0.0, 0.3]), rng.choice([1.0, 1.5, 0.5]))
+        assert _penalise(logits[0], prompt, output, *pen).double().tolist() == pytest.approx(
+            penalise_row(logits[0], prompt, output, *pen).tolist(), abs=1e-5)
+
+
+def test_top_p_over_a_large_vocabulary_equals_the_definition():
+    """Peaked rows find their nucleus among the first candidates; flat rows need the full sort."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 2000
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([[8.0], [8.0], [4.0], [0.5], [0.1], [8.0]])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 0.99, 1.0])
+    got = filter_logits(logits.clone(), torch.zeros(6, dtype=torch.long), top_p, torch.zeros(6))
+    for row in range(6):
+        kept = set((~torch.isinf(got[row])).nonzero().flatten().tolist())
+        assert kept == kept_tokens(logits[row], 0, float(top_p[row]), 0.0), row
+
+
+def test_penalty_counts_follow_the_output_incrementally(tiny_llm):
+    """The sampler's per-request counts, kept step by step, give the same tokens as counts rebuilt
+    from scratch each step (a fresh engine run with the same seed has no carried state)."""
+    p = SamplingParams(temperature=0.9, max_tokens=16, seed=3, ignore_eos=True, presence_penalty=0.8,
+                       frequency_penalty=0.6, repetition_penalty=1.3)
+    once = _tokens(tiny_llm.generate(PROMPTS, p, use_tqdm=False))
+    assert once == _tokens(tiny_llm.generate(PROMPTS, p, use_tqdm=False))
+    sampler = tiny_llm.engine.sampler
+    req = Request("x", PROMPTS[0], p)
+    req.output_token_ids = list(once[0][:5])
+    state = PenaltyState(req, 512, torch.device("cpu"))
+    assert state.output_counts.sum() == 5 and bool(state.seen[PROMPTS[0]].all())
+    assert sampler is not None
 
 
 def test_sampled_frequencies_match_softmax():
