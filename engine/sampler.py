@@ -89,16 +89,22 @@ def _nucleus_floor(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top = logits.topk(min(NUCLEUS_CANDIDATES, logits.shape[-1]), dim=-1).values
     probs = (top - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
     drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-    floor = top.gather(-1, (~drop).sum(-1, keepdim=True) - 1)
+    floor = top.gather(-1, _last_kept(drop))
     wide = ~drop[:, -1] & (top_p < 1.0) & (top.shape[-1] < logits.shape[-1])
     if bool(wide.any()):
         rows = wide.nonzero()[:, 0]
         ordered = logits[rows].sort(dim=-1, descending=True).values
         probs = ordered.softmax(-1)
         drop = (probs.cumsum(-1) - probs) >= top_p[rows][:, None]
-        floor[rows] = ordered.gather(-1, (~drop).sum(-1, keepdim=True) - 1)
+        floor[rows] = ordered.gather(-1, _last_kept(drop))
     # A row without top-p keeps everything (its cumulative sum may round past 1.0 before the end).
     return floor.masked_fill((top_p >= 1.0)[:, None], float("-inf"))
+
+
+def _last_kept(drop: torch.Tensor) -> torch.Tensor:
+    """The position of the last token kept; the most likely one always is (a top_p that float32
+    rounds to 0, e.g. 1e-300, keeps it alone)."""
+    return (~drop).sum(-1, keepdim=True).clamp(min=1) - 1
 
 
 def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -179,8 +185,9 @@ class Sampler:
         device = logits.device
         params = [r.sampling_params for r in reqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        scaled = filter_logits(logits / temperature[:, None],
-                               torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        vocab = logits.shape[-1]
+        scaled = filter_logits(logits / temperature[:, None],  # a top-k past the vocabulary is no top-k
+                               torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=device),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
                                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
         # Exponential race (Gumbel-max in another form): argmax(p / E), E ~ Exp(1), samples from p;

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from engine.arg_utils import ArgumentParser, HelpFormatter, add_engine_args
+from engine.arg_utils import SERVING_ONLY, ArgumentParser, HelpFormatter, add_engine_args
 from engine.bench.backends import BACKENDS
 
 DESCRIPTION = """\
@@ -124,8 +124,10 @@ def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
             action.help = text
 
 
-def _common(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    add_engine_args(p)  # --model, --tokenizer, --dtype, --seed, --kv-cache-memory, --block-size, ...
+def _common(p: argparse.ArgumentParser, serving: bool = False) -> argparse._ArgumentGroup:
+    # --model, --tokenizer, --dtype, --seed, --kv-cache-memory, --block-size, ...; the serving-only
+    # ones (admission, request logs) only where bench starts a server.
+    add_engine_args(p, skip=() if serving else SERVING_ONLY)
     p.set_defaults(num_threads=_cores())
     _set_help(p, "num_threads", "CPU: torch compute threads of every backend, pinned with torch.set_num_threads "
                                 "(default: all cores, here %(default)s)")
@@ -272,7 +274,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     s = modes.add_parser("serve", help="online load against an OpenAI-compatible server", description=SERVE,
                          formatter_class=HelpFormatter)
-    output = _common(s)
+    output = _common(s, serving=True)
     _dataset(s, num_prompts=100, input_len=128, output_len=128, serve=True)
     _serve(s, output)
 

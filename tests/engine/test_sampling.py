@@ -109,6 +109,15 @@ def test_top_p_over_a_large_vocabulary_equals_the_definition():
         assert kept == kept_tokens(logits[row], 0, float(top_p[row]), 0.0), row
 
 
+def test_extreme_but_valid_settings_sample(tiny_llm):
+    """Found by the server fuzz: a top_k past int64 and a top_p that float32 rounds to 0 must
+    sample (everything, and the argmax alone), not fail the request."""
+    logits = torch.tensor([[0.1, 3.0, 0.2, 0.3]])
+    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    assert sampler(logits, [Request("r", [1], SamplingParams(temperature=1.0, top_p=1e-300))])[0].token_id == 1
+    assert 0 <= sampler(logits, [Request("r", [1], SamplingParams(temperature=1.0, top_k=2**70))])[0].token_id < 4
+
+
 def test_penalty_counts_follow_the_output_incrementally(tiny_llm):
     """The sampler's per-request counts, kept step by step, give the same tokens as counts rebuilt
     from scratch each step (a fresh engine run with the same seed has no carried state)."""
