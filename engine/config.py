@@ -8,8 +8,11 @@ This module imports nothing heavy: `engine plan` shares its vocabulary and must 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -18,6 +21,24 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+# Environment variables that were engine knobs before they became fields here. They are no longer
+# read; if one is still set, the config warns once which flag replaces it.
+REMOVED_ENV_KNOBS = {
+    "PAGEWISE_PP_MICRO_BATCHES": "pipeline_micro_batches",
+    "PAGEWISE_PP_LAYER_PARTITION": "pipeline_layer_partition",
+    "PAGEWISE_DIST_TIMEOUT_S": "distributed_timeout_s",
+}
+_warned_env: set[str] = set()
+
+
+def _warn_removed_env() -> None:
+    for name, knob in REMOVED_ENV_KNOBS.items():
+        if name in os.environ and name not in _warned_env:
+            _warned_env.add(name)
+            logger.warning("%s is no longer read: use --%s (EngineConfig.%s) instead", name,
+                           knob.replace("_", "-"), knob)
 
 
 def canonical_dtype(name: str) -> str:
@@ -64,6 +85,14 @@ class EngineConfig:
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
     data_parallel_size: int = _knob(1, "independent engine replicas behind one server")
+    pipeline_micro_batches: int | None = _knob(None, "micro-batches per engine step with pipeline stages, so "
+                                                     "that the stages work at once; 1 turns the overlap off "
+                                                     "(default: one per pipeline stage)")
+    pipeline_layer_partition: str | None = _knob(None, "layers per pipeline stage, comma-separated, e.g. 3,1 "
+                                                       "(a stage that also holds the embeddings or the LM head "
+                                                       "may deserve fewer; default: the balanced split)")
+    distributed_timeout_s: float = _knob(60.0, "tensor/pipeline parallel: seconds a wait on another rank inside "
+                                               "a step may last before a hung rank becomes an error")
     # Admission: sequences (prompts x n) that may wait for a slot beyond the max_num_seqs running
     # ones; past it a request gets a 503 (and one that could never fit, a 400). None = unbounded.
     max_waiting_requests: int | None = _knob(1024, "sequences (prompts x n) that may wait beyond the "
@@ -93,6 +122,11 @@ class EngineConfig:
         check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             check(getattr(self, name) >= 1, name, ">= 1")
+        check(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1,
+              "pipeline_micro_batches", "None or >= 1")
+        check(self.distributed_timeout_s > 0, "distributed_timeout_s", "positive (seconds)")
+        if self.pipeline_layer_partition is not None:
+            self._check_layer_partition()
         check(self.max_waiting_requests is None or self.max_waiting_requests >= 0,
               "max_waiting_requests", "None or >= 0")
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
@@ -105,6 +139,29 @@ class EngineConfig:
                 )
         if self.chat_template is not None:
             self._check_chat_template()
+        _warn_removed_env()
+
+    @property
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """pipeline_layer_partition as layer counts, one per stage; None: the balanced split."""
+        if self.pipeline_layer_partition is None:
+            return None
+        return tuple(int(x) for x in self.pipeline_layer_partition.split(","))
+
+    def _check_layer_partition(self) -> None:
+        # The counts' sum is checked against the model's layers later (engine.parallel.layout).
+        value = self.pipeline_layer_partition
+        text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).replace(" ", "")
+        try:
+            counts = [int(x) for x in text.split(",")]
+        except ValueError:
+            counts = []
+        pp = self.pipeline_parallel_size
+        if len(counts) != pp or min(counts) < 1:
+            raise ValueError(f"pipeline_layer_partition must be {pp} positive layer count(s) separated by commas, "
+                             f"one per pipeline stage (pipeline_parallel_size {pp}), e.g. 3,1 for two stages; "
+                             f"got {value!r}")
+        self.pipeline_layer_partition = text
 
     def _check_chat_template(self) -> None:
         # A template is Jinja text ({{ ... }} / {% ... %}); anything else must be a file that exists,
@@ -117,10 +174,6 @@ class EngineConfig:
             raise ValueError(f"chat_template {text!r} is neither a file nor a Jinja template: "
                              "pass a template file's path or the template text")
         self.chat_template = path
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     @classmethod
     def help(cls, name: str) -> str:

@@ -3,6 +3,8 @@ one line on stderr with exit 2, before any weight loads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -55,7 +57,7 @@ def test_vllm_spellings_parse_to_the_engine_config():
 def test_defaults_equal_the_engine_config():
     args = parse("serve")
     config = EngineConfig()
-    for name in EngineConfig.field_names():
+    for name in [f.name for f in dataclasses.fields(EngineConfig)]:
         assert getattr(args, name) == getattr(config, name), name
     assert args.kv_cache_memory == 2 * GiB
 

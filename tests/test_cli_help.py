@@ -3,6 +3,8 @@ and one spelling (with the same units) for each setting across serve, generate, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 
 import pytest
@@ -19,7 +21,7 @@ SYNONYMS = {
     "--kv-dtype": "kv_cache_dtype",
     **{alias: name for name, aliases in ALIASES.items() for alias in aliases},
 }
-FIELDS = set(EngineConfig.field_names())
+FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def all_parsers() -> dict[str, argparse.ArgumentParser]:

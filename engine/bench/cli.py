@@ -15,6 +15,7 @@ import sys
 
 from engine.arg_utils import SERVING_ONLY, ArgumentParser, HelpFormatter, add_engine_args
 from engine.bench.backends import BACKENDS
+from engine.bench.common import parse_servers
 
 DESCRIPTION = """\
 Benchmark pagewise against vLLM and Hugging Face transformers on identical requests.
@@ -89,35 +90,6 @@ def _mapped(mapping: dict[str, str], flag: str):
     return parse
 
 
-def _percentiles(text: str) -> list[float]:
-    try:
-        ps = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"--metric-percentiles takes numbers separated by commas, got {text!r}") from None
-    if not ps or not all(0 < p < 100 for p in ps):
-        raise ValueError(f"--metric-percentiles must lie in (0, 100), got {text!r}")
-    return ps
-
-
-def _servers(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names or any(n not in ("engine", "vllm") for n in names):
-        raise argparse.ArgumentTypeError(f"--launch takes engine, vllm or engine,vllm; got {text!r}")
-    return names
-
-
-def _levels(text: str | None) -> list[int | None]:
-    if not text:
-        return [None]
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--max-concurrency takes integers like 8 or 1,8,32; got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"--max-concurrency levels must be >= 1; got {text!r}")
-    return levels
-
-
 def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
     for action in parser._actions:
         if action.dest == dest:
@@ -190,7 +162,7 @@ def _serve(s: argparse.ArgumentParser, output: argparse._ArgumentGroup) -> None:
     where.add_argument("--base-url", default=None, metavar="URL",
                        help="a running server, e.g. http://127.0.0.1:8000 (pagewise's or `vllm serve`; "
                             "default: none, give --launch)")
-    where.add_argument("--launch", type=_servers, default=None, metavar="engine|vllm|engine,vllm",
+    where.add_argument("--launch", type=parse_servers, default=None, metavar="engine|vllm|engine,vllm",
                        help="start this server (or each in turn) on 127.0.0.1 and a free port, measure it, stop it "
                             "(default: none, give --base-url)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -281,19 +253,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for sp, mode in ((t, "throughput"), (lat, "latency"), (s, "serve")):
         sp.set_defaults(func=run_mode, bench_mode=mode, _parser=sp)
     return bench
-
-
-def parse_kv(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--vllm-arg takes KEY=VALUE, got {item!r}")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.replace("-", "_")] = value
-    return out
 
 
 def run_mode(args: argparse.Namespace) -> int:

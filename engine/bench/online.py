@@ -11,6 +11,7 @@ import os
 import sys
 
 from engine.bench import report, serve
+from engine.bench.common import load_tokenizer, report_settings
 from engine.bench.datasets import build_requests
 
 # Engine flags a launched `engine serve` always gets, whatever their values: the bench resolves them.
@@ -89,7 +90,6 @@ def run_serve(args) -> int:
     from datetime import datetime
 
     from engine.bench.launch import ServerProcess
-    from engine.bench.runner import load_tokenizer, settings
 
     started = datetime.now()
     levels = args.concurrency_levels
@@ -120,7 +120,7 @@ def run_serve(args) -> int:
     print("\n" + summary_table(runs, servers, args.percentiles))
     print(f"\nmodel {args.model}, dtype {args.dtype}, {len(requests)} requests per run, endpoint {args.endpoint}, "
           f"prompts as {'text' if args.endpoint == 'chat' else args.prompt_format}, ignore_eos {args.ignore_eos}")
-    out = {"mode": "serve", "settings": settings(args), "environment": report.environment(),
+    out = {"mode": "serve", "settings": report_settings(args), "environment": report.environment(),
            "servers": servers, "runs": runs}
     if args.output_json:
         report.write_json(args.output_json, out)

@@ -17,6 +17,7 @@ import sys
 
 from engine.bench import checks, report
 from engine.bench.checks import fail
+from engine.bench.common import load_tokenizer, parse_concurrency_levels, parse_kv, parse_percentiles, report_settings
 from engine.bench.datasets import build_requests, load_requests, random_requests
 
 OFFLINE_BACKENDS = ("engine", "hf", "vllm")
@@ -41,29 +42,15 @@ def resolve_dtype(dtype: str, device: str = "auto") -> str:
     return "bfloat16" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "float32"
 
 
-def load_tokenizer(path: str):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path)
-
-
-def settings(args) -> dict:
-    out = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func",)}
-    if out.get("api_key"):
-        out["api_key"] = "<set>"  # a report is shared; the key stays out of it
-    return out
-
-
 def validate(args) -> None:
     """Settings that parse one by one but not together: exit 2 before any work."""
-    from engine.bench.cli import _levels, _percentiles, parse_kv
     from engine.bench.metrics import parse_goodput
 
     try:
-        args.percentiles = _percentiles(args.percentiles)
+        args.percentiles = parse_percentiles(args.percentiles)
         if args.bench_mode == "serve":
             args.goodput_slos = parse_goodput(args.goodput)
-            args.concurrency_levels = _levels(args.max_concurrency)
+            args.concurrency_levels = parse_concurrency_levels(args.max_concurrency)
         else:
             args.vllm_kwargs = parse_kv(args.vllm_arg)
     except Exception as e:
@@ -131,11 +118,10 @@ def absolute_paths(args) -> None:
 
 
 def run(args) -> int:
-    from engine.bench.cli import parse_kv
     from engine.bench.compare import child_argv
 
     if args.bench_mode != "serve" and args.requests_file:  # a --compare child: the parent checked it all
-        args.percentiles = [float(p) for p in args.percentiles.split(",")]
+        args.percentiles = parse_percentiles(args.percentiles)
         args.vllm_kwargs = parse_kv(args.vllm_arg)
         return run_child(args)
     absolute_paths(args)
@@ -214,7 +200,7 @@ def run_offline(args, base_argv: list[str]) -> int:
                    f"{args.num_iters_warmup} warm-up iterations not counted)")
     print(f"\nmodel {args.model}, dtype {args.dtype}, threads {args.num_threads}, {counted} "
           f"(first: {first.prompt_len} prompt + {first.output_len} output tokens), EOS ignored, greedy")
-    out = {"mode": args.bench_mode, "settings": settings(args), "environment": report.environment(),
+    out = {"mode": args.bench_mode, "settings": report_settings(args), "environment": report.environment(),
            "num_requests": num_requests, "results": results}
     if args.output_json:
         report.write_json(args.output_json, out)

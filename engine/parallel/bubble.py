@@ -10,10 +10,9 @@ Each rank gets one CPU thread (--num-threads), so on CPU the stages need a core 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-from engine.parallel.executor import MICRO_BATCHES_ENV, pipeline_bubble
+from engine.parallel.executor import pipeline_bubble
 
 _TIMED = ("steps", "step_s", "compute_s", "recv_wait_s", "busy_s")
 
@@ -23,10 +22,10 @@ def measure(model: str, tp: int, pp: int, micro_batches: int, num_prompts: int, 
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
     prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_len)] for i in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine_args) as llm:
+    with LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=micro_batches,
+             **engine_args) as llm:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up, not counted
         before = llm.engine.runner.rank_reports()
         start = time.perf_counter()

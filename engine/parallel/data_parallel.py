@@ -22,7 +22,7 @@ import time
 
 from engine.core import check_request
 from engine.loader import resolve_model
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CoreOutput
 from engine.parallel.layout import check_layout
 from engine.parallel.procs import ChildProcesses, WorkerDiedError
 from engine.parallel.replica import replica_main
@@ -80,7 +80,7 @@ class DataParallelCore:
 
     # ---- EngineCore's interface ------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, prompt: str | None = None,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                     arrival_time: float | None = None) -> None:
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -89,7 +89,13 @@ class DataParallelCore:
         self.check_health()
         replica = self.router.choose(ids)
         self.owner[request_id] = replica
-        self._send(replica, ("add", request_id, ids, sampling_params, prompt, arrival_time))
+        self._send(replica, ("add", request_id, ids, sampling_params, arrival_time))
+
+    def finish_choice(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended this choice: its replica frees it (and may have made a token or two
+        past it meanwhile, which the front's output processor drops)."""
+        if request_id in self.owner:
+            self._send(self.owner[request_id], ("finish", request_id, index, stop))
 
     def check_request(self, ids: list[int], params) -> None:
         check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
@@ -107,7 +113,7 @@ class DataParallelCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.owner)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         """Whatever the replicas have finished since the last call, waiting at most POLL_S for some."""
         self.check_health()
         outputs = []
@@ -117,7 +123,7 @@ class DataParallelCore:
                 outputs += self._handle(i, self._recv(i))
         return outputs
 
-    def _handle(self, i: int, msg: tuple) -> list[RequestOutput]:
+    def _handle(self, i: int, msg: tuple) -> list[CoreOutput]:
         kind = msg[0]
         if kind == "error":
             self._dead = f"data-parallel replica {i} failed: {msg[1]}"
@@ -125,12 +131,12 @@ class DataParallelCore:
         if kind == "rejected":
             _, rid, message = msg
             logger.error("replica %d could not take request %s: %s", i, rid, message)
-            msg = ("step", [RequestOutput(rid, None, [], [CompletionOutput(0, "", [], finish_reason="abort")],
-                                          finished=True, error=message)], self.replica_stats[i])
+            msg = ("step", [CoreOutput(rid, 0, finish_reason="abort", request_finished=True, error=message)],
+                   self.replica_stats[i])
         _, outputs, stats = msg
         self.replica_stats[i] = stats
         for out in outputs:
-            if out.finished and self.owner.pop(out.request_id, None) is not None:
+            if out.request_finished and self.owner.pop(out.request_id, None) is not None:
                 self.router.finished(i)
         return outputs
 

@@ -2,10 +2,11 @@
 
 Rank 0 keeps the scheduler, the KV block accounting and the sampler; it is also stage 0's TP
 rank 0 and computes its own share. Each step it splits the scheduled batch into micro-batches
-(one per pipeline stage), broadcasts them to every rank on the control group, runs stage 0 on
-each micro-batch in turn (its sends do not wait), and, with pipeline stages, then receives each
-micro-batch's logits from the last stage. Followers run the same ModelRunner on the same inputs
-(engine.parallel.worker), so every rank builds identical batch tensors and block tables.
+(pipeline_micro_batches of them, by default one per pipeline stage), broadcasts them to every
+rank on the control group, runs stage 0 on each micro-batch in turn (its sends do not wait), and,
+with pipeline stages, then receives each micro-batch's logits from the last stage. Followers run
+the same ModelRunner on the same inputs (engine.parallel.worker), so every rank builds identical
+batch tensors and block tables.
 
 On one node rank 0 starts the other ranks itself (engine.parallel.procs); under torchrun they
 are started by torchrun (`python -m engine.parallel.launch`) and rank 0 only joins them.
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from engine.model_runner import ModelRunner, StepLogits, resolve_device
 from engine.parallel import pipeline
-from engine.parallel.groups import TIMEOUT_ENV, collective_timeout, destroy_distributed, init_distributed
+from engine.parallel.groups import destroy_distributed, init_distributed
 from engine.parallel.layout import ParallelLayout, check_layout, launched_by_torchrun
 from engine.parallel.procs import ChildProcesses, WorkerDiedError
 from engine.parallel.state import reset_parallel_state, world_state
@@ -34,8 +35,6 @@ from engine.parallel.worker import rank_report, worker_main
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-MICRO_BATCHES_ENV = "PAGEWISE_PP_MICRO_BATCHES"  # default: one per pipeline stage; 1 turns overlap off
 
 
 def make_runner(config, source):
@@ -65,7 +64,9 @@ class ParallelExecutor:
         self._dead: str | None = None
         self._closed = False
         self._copies: list[tuple[int, int]] = []
-        self.num_micro_batches = int(os.environ.get(MICRO_BATCHES_ENV, layout.pp)) if layout.pp > 1 else 1
+        self.timeout_s = config.distributed_timeout_s
+        # One micro-batch per stage unless the config says otherwise; 1 turns the overlap off.
+        self.num_micro_batches = (config.pipeline_micro_batches or layout.pp) if layout.pp > 1 else 1
         if launched_by_torchrun():
             if int(os.environ["RANK"]) != 0:
                 raise RuntimeError("under torchrun, ranks other than 0 run `python -m engine.parallel.launch`")
@@ -76,7 +77,8 @@ class ParallelExecutor:
             for rank in range(1, layout.world_size):
                 self.children.start(f"pagewise-rank{rank}", worker_main, rank, layout, config, init_method, rank)
         try:
-            self.control = init_distributed(layout, 0, resolve_device(config.device), init_method, local_rank)
+            self.control = init_distributed(layout, 0, resolve_device(config.device), init_method, local_rank,
+                                            self.timeout_s)
             pipeline.reset()
             self.runner = ModelRunner(config, source)
         except BaseException as e:
@@ -155,7 +157,7 @@ class ParallelExecutor:
         culprit = self.children.failure(wait_s=2.0) if self.children is not None else None
         self._dead = (f"tensor/pipeline-parallel worker {culprit}" if culprit else
                       "a collective with the other ranks failed (a rank died, or hung past "
-                      f"{TIMEOUT_ENV}={collective_timeout().total_seconds():g}s): {error}")
+                      f"distributed_timeout_s={self.timeout_s:g}s): {error}")
         logger.error("%s", self._dead)
         return WorkerDiedError(self._dead)
 

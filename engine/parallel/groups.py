@@ -12,15 +12,14 @@ the model read.
   each process's own setting): a broadcast to a hung follower can block the sender, and did;
 - `cpu`, a gloo group for small agreements at start-up (how many KV blocks fit everywhere).
 
-Waits within a step are bounded by PAGEWISE_DIST_TIMEOUT_S (default 60 s): a peer that hangs
-mid-step becomes an error, not a silent stall. A peer that dies closes its connections, and
-gloo raises within milliseconds.
+Waits within a step are bounded by EngineConfig.distributed_timeout_s (default 60 s): a peer
+that hangs mid-step becomes an error, not a silent stall. A peer that dies closes its
+connections, and gloo raises within milliseconds.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -29,29 +28,27 @@ from engine.parallel.layout import ParallelLayout
 from engine.parallel.state import (PipelineParallelState, TensorParallelState, WorldState, reset_parallel_state,
                                    set_parallel_state)
 
-TIMEOUT_ENV = "PAGEWISE_DIST_TIMEOUT_S"
 START_TIMEOUT = datetime.timedelta(minutes=10)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
-def collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "60")))
-
-
-def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, init_method: str, local_rank: int):
-    """Join the replica's process groups as `rank` (GPU `local_rank` of its node); returns the control group."""
+def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, init_method: str, local_rank: int,
+                     timeout_s: float):
+    """Join the replica's process groups as `rank` (GPU `local_rank` of its node); returns the control group.
+    `timeout_s` (EngineConfig.distributed_timeout_s) bounds every wait inside a step."""
+    step_timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
                             timeout=START_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=collective_timeout() if rank == 0 else IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=step_timeout if rank == 0 else IDLE_TIMEOUT)
     cpu = dist.new_group(backend="gloo", timeout=START_TIMEOUT)
-    device = dist.new_group(timeout=collective_timeout())
+    device = dist.new_group(timeout=step_timeout)
     stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
     tp_group = None
     for s in range(layout.pp):  # every rank takes part in creating every group
-        group = dist.new_group(layout.tp_group_ranks(s), timeout=collective_timeout()) if layout.tp > 1 else None
+        group = dist.new_group(layout.tp_group_ranks(s), timeout=step_timeout) if layout.tp > 1 else None
         if s == stage:
             tp_group = group
     pp = PipelineParallelState(

@@ -11,9 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# Layers per stage, e.g. "3,1", instead of the balanced split (a stage that also holds the
-# embeddings or the LM head may deserve fewer layers).
-LAYER_PARTITION_ENV = "PAGEWISE_PP_LAYER_PARTITION"
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -60,16 +57,14 @@ def balanced_layer_ranges(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _partition_ranges(text: str, num_layers: int, pp: int) -> list[tuple[int, int]]:
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        counts = []
-    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-        example = ",".join(str(b - a) for a, b in balanced_layer_ranges(num_layers, pp))
-        raise ValueError(f"{LAYER_PARTITION_ENV}={text!r} must list {pp} positive layer counts (one per pipeline "
-                         f"stage) that add up to the model's {num_layers} layers, e.g. {example}")
-    starts = [sum(counts[:i]) for i in range(pp)]
+def partition_ranges(counts: tuple[int, ...], num_layers: int) -> list[tuple[int, int]]:
+    """Layer counts per stage (EngineConfig.pipeline_layer_partition, checked there for their number
+    and sign) as contiguous ranges; they must add up to the model's layers."""
+    if sum(counts) != num_layers:
+        example = ",".join(str(b - a) for a, b in balanced_layer_ranges(num_layers, len(counts)))
+        raise ValueError(f"pipeline_layer_partition {','.join(map(str, counts))} must add up to the model's "
+                         f"{num_layers} layers, e.g. {example}")
+    starts = [sum(counts[:i]) for i in range(len(counts))]
     return [(s, s + c) for s, c in zip(starts, counts)]
 
 
@@ -103,8 +98,8 @@ def check_layout(config, hf_config) -> ParallelLayout:
     if pp > layers:
         raise ValueError(f"pipeline_parallel_size {pp} is more than the model's {layers} layers "
                          f"(every stage needs one); use at most {layers}")
-    partition = os.environ.get(LAYER_PARTITION_ENV)
-    ranges = _partition_ranges(partition, layers, pp) if partition else balanced_layer_ranges(layers, pp)
+    partition = config.layer_partition
+    ranges = partition_ranges(partition, layers) if partition else balanced_layer_ranges(layers, pp)
     if launched_by_torchrun():
         if dp > 1:
             raise ValueError("data_parallel_size > 1 starts its replicas itself on one node; under torchrun "

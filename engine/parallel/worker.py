@@ -30,7 +30,8 @@ def worker_main(rank: int, layout: ParallelLayout, config, init_method: str, loc
     from engine.model_runner import ModelRunner, resolve_device
 
     source = resolve_model(config.model, config.tokenizer)
-    control = init_distributed(layout, rank, resolve_device(config.device), init_method, local_rank)
+    control = init_distributed(layout, rank, resolve_device(config.device), init_method, local_rank,
+                               config.distributed_timeout_s)
     runner = ModelRunner(config, source)
     logger.info("rank %d ready: stage %d (layers %s), TP rank %d of %d", rank, pp_state().rank,
                 pp_state().layer_range, tp_state().rank, tp_state().size)

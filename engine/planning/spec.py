@@ -199,10 +199,6 @@ class ModelSpec:
             t.append(ParamTensor("lm_head", self.vocab_size * h, "vocab", "head"))
         return t
 
-    def num_param_tensors(self) -> int:
-        """Tensors in `model.parameters()`: embeddings and head once, layer tensors once per layer."""
-        return self._busiest_stage(tp=1, pp=1)[1]
-
     def computed_params(self) -> int:
         return self._busiest_stage(tp=1, pp=1)[0]
 

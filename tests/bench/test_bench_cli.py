@@ -208,7 +208,9 @@ def test_api_key_order(monkeypatch):
 
 def test_settings_in_reports_hide_the_api_key(bench):
     args = bench.parse_args(["serve", "--api-key", "secret"])
-    assert runner.settings(args)["api_key"] == "<set>"
+    from engine.bench.common import report_settings
+
+    assert report_settings(args)["api_key"] == "<set>"
 
 
 class FakeBackend:

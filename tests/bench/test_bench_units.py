@@ -216,11 +216,11 @@ def test_server_process_reports_early_exit(tmp_path):
 def test_serve_level_and_server_lists():
     import argparse
 
-    from engine.bench.cli import _levels, _servers
+    from engine.bench.common import parse_concurrency_levels as levels, parse_servers as servers
 
-    assert _levels(None) == [None] and _levels("1,8,32") == [1, 8, 32]
-    assert _servers("engine,vllm") == ["engine", "vllm"]
-    for bad, fn in (("0", _levels), ("a", _levels), ("sglang", _servers)):
+    assert levels(None) == [None] and levels("1,8,32") == [1, 8, 32]
+    assert servers("engine,vllm") == ["engine", "vllm"]
+    for bad, fn in (("0", levels), ("a", levels), ("sglang", servers)):
         with pytest.raises(argparse.ArgumentTypeError):
             fn(bad)
 

@@ -58,15 +58,14 @@ def test_killed_stage_fails_generate_within_seconds_and_leaves_nothing(gqa_model
     assert new_processes() == []
 
 
-def test_hung_worker_times_out_instead_of_stalling(gqa_model, monkeypatch, new_processes):
-    monkeypatch.setenv("PAGEWISE_DIST_TIMEOUT_S", "5")
-    llm = LLM(gqa_model, tensor_parallel_size=2, num_kv_blocks=256, **ENGINE_ARGS)
+def test_hung_worker_times_out_instead_of_stalling(gqa_model, new_processes):
+    llm = LLM(gqa_model, tensor_parallel_size=2, num_kv_blocks=256, distributed_timeout_s=5, **ENGINE_ARGS)
     try:
         (_, worker), = llm.engine.runner.children.procs
         sent = _signal_mid_run(llm, worker.pid, signal.SIGSTOP)
         error, raised_at = _generate_until_error(llm)
         assert raised_at - sent["at"] < 15.0
-        assert "PAGEWISE_DIST_TIMEOUT_S=5s" in str(error)
+        assert "distributed_timeout_s=5s" in str(error)
     finally:
         t = time.monotonic()
         llm.shutdown()  # the stopped worker cannot leave by itself: it is killed

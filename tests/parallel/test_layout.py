@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import EngineConfig
-from engine.parallel.layout import LAYER_PARTITION_ENV, balanced_layer_ranges, check_layout
+from engine.parallel.layout import balanced_layer_ranges, check_layout
 from engine.parallel.pipeline import split_micro_batches
 from engine.parallel.router import Router
 
@@ -18,14 +18,14 @@ def hf(heads=4, kv_heads=2, layers=4, ffn=128):
                            intermediate_size=ffn)
 
 
-def layout(tp=1, pp=1, dp=1, **model):
+def layout(tp=1, pp=1, dp=1, partition=None, **model):
     return check_layout(EngineConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                                     device="cpu"), hf(**model))
+                                     pipeline_layer_partition=partition, device="cpu"), hf(**model))
 
 
 @pytest.fixture(autouse=True)
 def no_torchrun(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", LAYER_PARTITION_ENV):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -53,12 +53,11 @@ def test_balanced_split_is_planning_s():
     assert l.last_stage_leader == 2
 
 
-def test_layer_partition_override(monkeypatch):
-    monkeypatch.setenv(LAYER_PARTITION_ENV, "3,1")
-    assert layout(pp=2).layer_ranges == ((0, 3), (3, 4))
-    monkeypatch.setenv(LAYER_PARTITION_ENV, "2,1")
-    with pytest.raises(ValueError, match="add up to the model's 4 layers, e.g. 2,2"):
-        layout(pp=2)
+def test_layer_partition_override():
+    assert layout(pp=2, partition="3,1").layer_ranges == ((0, 3), (3, 4))
+    assert layout(pp=2, partition=(1, 3)).layer_ranges == ((0, 1), (1, 4))
+    with pytest.raises(ValueError, match="pipeline_layer_partition 2,1 must add up to the model's 4 layers, e.g. 2,2"):
+        layout(pp=2, partition="2,1")
 
 
 def test_torchrun_world_must_match(monkeypatch):
