@@ -6,8 +6,10 @@ that the engine thread applies between steps, and the engine thread hands each s
 outputs back to the event loop with one `call_soon_threadsafe`. Every request shares the
 continuous batch; nothing here serializes generation.
 
-Outputs are cumulative, so a request's stream keeps only the newest one: a slow consumer
-sees fewer, larger updates instead of a growing backlog.
+The engine thread also runs the OutputProcessor right after each step (detokenizing, stop
+strings, which then end their choices in the core before the next step). Outputs are deltas: a
+request's stream merges those its consumer has not taken yet, so a slow consumer sees fewer,
+larger updates instead of a growing backlog.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
-import dataclasses
 import logging
 import threading
 import time
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
+from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -45,22 +47,24 @@ class RequestFailedError(RuntimeError):
 
 
 class _RequestStream:
-    """The newest output of one request, handed from the engine thread to its consumer."""
+    """The outputs of one request not yet taken by its consumer (merged into one delta), handed
+    from the engine thread to the event loop."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None, num_choices: int):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
         self.finished = False  # a final output or an error was delivered
-        self.last: RequestOutput | None = None
-        self._latest: RequestOutput | None = None
+        self._unfinished = set(range(num_choices))  # choices whose finish the consumer has not been sent
+        self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
         if self.finished:
             return  # e.g. the core's own abort echo after we already closed the stream
-        self._latest = self.last = output
+        self._pending = output if self._pending is None else self._pending.merge(output)
+        self._unfinished -= {c.index for c in output.outputs if c.finish_reason is not None}
         self.finished = output.finished
         self._ready.set()
 
@@ -71,17 +75,16 @@ class _RequestStream:
         self._ready.set()
 
     def abort_output(self) -> RequestOutput:
-        """A final output built from what the client already has, marked finish_reason=abort."""
-        if self.last is None:
-            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                                 [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
-        outputs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in self.last.outputs]
-        return dataclasses.replace(self.last, outputs=outputs, finished=True)
+        """The final delta for a request ended from outside (shutdown): every choice that has
+        not finished ends with finish_reason=abort."""
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [CompletionOutput(i, "", [], finish_reason="abort") for i in sorted(self._unfinished)],
+                             finished=True)
 
     async def get(self) -> RequestOutput:
         while True:
-            if self._latest is not None:
-                output, self._latest = self._latest, None
+            if self._pending is not None:
+                output, self._pending = self._pending, None
                 return output
             if self._error is not None:
                 raise self._error
@@ -181,7 +184,7 @@ class AsyncEngine:
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative RequestOutputs until the request finishes.
+        """Stream RequestOutput deltas until the request finishes.
 
         Raises (on the first iteration) EngineOverloadedError when the waiting queue is full,
         ValueError when the core rejects the request, EngineDeadError when the loop died.
@@ -193,12 +196,16 @@ class AsyncEngine:
         if self.config.log_requests:
             logger.info("request %s: prompt=%r token_ids=%s params=%s", request_id, prompt,
                         prompt_token_ids, sampling_params)
+        texts: dict[int, list[str]] | None = {} if self.config.log_requests else None  # only to log them
         try:
             while True:
                 output = await stream.get()
-                if output.finished and self.config.log_requests:
-                    logger.info("request %s finished: %s", request_id,
-                                [(c.finish_reason, c.text) for c in output.outputs])
+                if texts is not None:
+                    for c in output.outputs:
+                        texts.setdefault(c.index, []).append(c.text)
+                    if output.finished:
+                        logger.info("request %s finished: %s", request_id,
+                                    {i: "".join(pieces) for i, pieces in sorted(texts.items())})
                 yield output
                 if output.finished:
                     return
@@ -240,7 +247,7 @@ class AsyncEngine:
                     "each of a request's n choices counts)")
             self._num_pending += num_seqs
         self._counters["num_requests_admitted"] += 1
-        stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt)
+        stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt, num_seqs)
         return stream
 
     def _queue_full_locked(self, num_seqs: int) -> bool:
@@ -276,6 +283,7 @@ class AsyncEngine:
     def _run(self, ready: asyncio.Future) -> None:
         try:
             core = self._core = self._core_factory(self.config)
+            processor = OutputProcessor(core.tokenizer)  # the engine thread's, like the core
             self.model_name = core.model_name
             self.max_model_len = core.max_model_len
             self.tokenizer = _private_copy(core.tokenizer)
@@ -289,16 +297,18 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._wake.clear()  # cleared before draining, so a command added now re-wakes us
-                self._apply_commands(core)
+                self._apply_commands(core, processor)
                 if core.has_unfinished_requests():
-                    outputs = core.step()
+                    outputs, stops = processor.process(core.step())
+                    for stop in stops:  # ended by a stop string: free its blocks before the next step
+                        core.finish_choice(stop.request_id, stop.index, stop.stop)
                     with self._lock:
                         self._core_stats = core.stats()
                     if outputs:
                         self._post(lambda outs=outputs: self._deliver(outs))
                 else:
                     self._wake.wait()
-            self._apply_commands(core)  # stopping: still free the blocks of the last aborts
+            self._apply_commands(core, processor)  # stopping: still free the blocks of the last aborts
         except BaseException as e:
             logger.exception("engine loop died; failing all pending requests")
             self._dead = e
@@ -306,7 +316,7 @@ class AsyncEngine:
         finally:  # a parallel core's worker or replica processes end with the loop, however it ended
             getattr(core, "shutdown", lambda: None)()
 
-    def _apply_commands(self, core) -> None:
+    def _apply_commands(self, core, processor: OutputProcessor) -> None:
         rejected = []
         changed = False
         while self._commands:
@@ -315,7 +325,8 @@ class AsyncEngine:
             if command[0] == "add":
                 _, request_id, prompt_token_ids, params, prompt = command
                 try:
-                    core.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+                    core.add_request(request_id, prompt_token_ids, params)
+                    processor.add_request(request_id, prompt, prompt_token_ids, params, delta=True)
                 except ValueError as e:  # the user's request, not the engine, is at fault
                     rejected.append((request_id, e))
                 except Exception as e:  # a bug for this one request: report it, keep serving the rest
@@ -326,6 +337,8 @@ class AsyncEngine:
                         self._num_pending -= params.n
             else:
                 core.abort_request(command[1])
+                for request_id in command[1]:
+                    processor.abort(request_id)
         if changed:
             with self._lock:
                 self._core_stats = core.stats()

@@ -1,17 +1,20 @@
-"""EngineCore.step(): schedule -> execute -> sample -> update. Not thread-safe: one thread drives it."""
+"""EngineCore.step(): schedule -> execute -> sample -> update. Not thread-safe: one thread drives it.
+
+A step emits CoreOutputs: per choice, the token it got and whether it ended (EOS, a stop token
+id, max_tokens, the context window). Text is the front end's (engine/output_processor.py): it
+finds stop strings and ends those choices here with `finish_choice`.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.loader import resolve_model
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CoreOutput
 from engine.parallel.executor import make_runner
-from engine.request import Request
+from engine.request import ParentRequest, Request
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -19,25 +22,6 @@ from engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 _FAILED = object()  # what _guarded returns when the call failed its request
-
-
-@dataclass
-class _Group:
-    """A user request: its prompt and its n choices (streams forked once the prompt is done)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    streams: list[Request | None]
-    detokenizers: list[IncrementalDetokenizer]
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int = 0
-    ended: bool = False  # aborted or failed: choices never started are finished too
-
-    @property
-    def finished(self) -> bool:
-        return self.ended or all(s is not None and s.is_finished for s in self.streams)
 
 
 def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -63,10 +47,6 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
         v = getattr(params, name)
         if v is not None and v > max_logprobs:
             raise ValueError(f"{name} must be at most max_logprobs ({max_logprobs}), got {v}")
-
-
-class RequestFailed(RuntimeError):
-    """Processing one request's step data raised: that request ends, the engine goes on."""
 
 
 class EngineCore:
@@ -96,8 +76,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.device)
-        self.groups: dict[str, _Group] = {}
-        self._aborted: list[RequestOutput] = []
+        self.parents: dict[str, ParentRequest] = {}
+        self._pending: list[CoreOutput] = []  # aborts, failures and stops, handed out by the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%d bytes/token, %s, %s); max_model_len %d",
@@ -107,18 +87,14 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        if request_id in self.groups:
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         self.check_request(ids, sampling_params)
-        p = sampling_params
-        group = _Group(request_id, prompt, ids, p, [None] * p.n,
-                       [IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop,
-                                               p.include_stop_str_in_output) for _ in range(p.n)])
-        first = Request(request_id, ids, p, index=0, arrival_time=arrival_time)
-        group.streams[0] = first
-        self.groups[request_id] = group
+        parent = ParentRequest(request_id, ids, sampling_params)
+        first = parent.choices[0] = Request(request_id, ids, sampling_params, index=0, arrival_time=arrival_time)
+        self.parents[request_id] = parent
         self.scheduler.add(first)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
@@ -126,41 +102,55 @@ class EngineCore:
                       max_num_seqs=self.config.max_num_seqs, max_logprobs=self.config.max_logprobs)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Free the requests' blocks now; each is reported once more, finished with reason "abort".
-        O(1) per request (per started choice), however many others are queued."""
+        """Free the requests' blocks now; the next step reports each unfinished choice as ended
+        with reason "abort". O(1) per request (per started choice), however many are queued."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self.groups.pop(rid, None)
-            if group is not None:
-                self._finish_group(group, "abort")
-                self._aborted.append(self._output(group))
+            parent = self.parents.pop(rid, None)
+            if parent is not None:
+                unfinished = parent.unfinished_indexes()
+                self._end(parent, "abort")
+                self._pending += [CoreOutput(rid, i, finish_reason="abort", request_finished=True)
+                                  for i in unfinished]
 
-    def _finish_group(self, group: _Group, reason: str) -> None:
-        group.ended = True
-        for s in group.streams:
+    def finish_choice(self, request_id: str, index: int, stop: str) -> None:
+        """The front end found a stop string in this choice's text: end the choice and free its blocks."""
+        parent = self.parents.get(request_id)
+        req = parent.choices[index] if parent is not None else None
+        if req is None or req.is_finished:
+            return
+        req.finish_reason, req.stop_reason = "stop", stop
+        self.scheduler.finish(req)
+        if parent.finished:
+            del self.parents[request_id]
+        # Reported so that a front that tracks requests (data parallel) sees the request end.
+        self._pending.append(CoreOutput(request_id, index, finish_reason="stop", stop_reason=stop,
+                                        request_finished=parent.finished))
+
+    def _end(self, parent: ParentRequest, reason: str) -> None:
+        parent.ended = True
+        for s in parent.choices:
             if s is not None and not s.is_finished:
                 s.finish_reason = reason
                 self.scheduler.finish(s)
 
-    def _fail(self, group: _Group, error: BaseException) -> None:
+    def _fail(self, parent: ParentRequest, error: BaseException) -> None:
         """One request's step data raised: end that request alone, with an error output."""
-        logger.error("request %s failed; the engine goes on", group.request_id, exc_info=error)
-        self.groups.pop(group.request_id, None)
-        self._finish_group(group, "abort")
-        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                            [CompletionOutput(i, "", [], finish_reason="abort") for i in range(group.params.n)],
-                            finished=True, error=f"internal error while processing the request "
-                                                 f"({type(error).__name__})")
-        self._aborted.append(out)
+        logger.error("request %s failed; the engine goes on", parent.request_id, exc_info=error)
+        self.parents.pop(parent.request_id, None)
+        self._end(parent, "abort")
+        self._pending.append(CoreOutput(parent.request_id, 0, finish_reason="abort", request_finished=True,
+                                        error=f"internal error while processing the request "
+                                              f"({type(error).__name__})"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or bool(self._aborted)
+        return bool(self.parents) or bool(self._pending)
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         """One forward for the scheduled batch. Only the forward may raise out of here: anything
         that fails on one request's data afterwards (sampling, stops, output) fails that request."""
-        outputs, self._aborted = self._aborted, []
+        outputs, self._pending = self._pending, []
         if not self.scheduler.has_work():
             return outputs
         batch = self.scheduler.schedule()
@@ -174,7 +164,7 @@ class EngineCore:
             self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, rows)
         rows, reqs = [], []
         for i, req in enumerate(logits.sample_reqs):
-            if req.request_id not in self.groups:
+            if req.request_id not in self.parents:
                 continue  # failed above
             rows.append(i)
             reqs.append(req)
@@ -182,39 +172,28 @@ class EngineCore:
                 for child in self._guarded(req.request_id, self._fork, req) or ():
                     rows.append(i)
                     reqs.append(child)
-        touched: dict[str, _Group] = {}
         for req, result in self._sample(logits.sample_logits, rows, reqs):
-            group = self.groups.get(req.request_id)
-            if group is None:
+            parent = self.parents.get(req.request_id)
+            if parent is None:
                 continue  # failed while sampling or on an earlier choice
-            if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
-                self.prompt_tokens_total += req.num_prompt_tokens
-                group.num_cached_tokens = req.num_cached_tokens
-            if self._guarded(req.request_id, self._append_token, group, req, result) is not _FAILED:
-                touched[req.request_id] = group
-        for group in touched.values():
-            if group.request_id not in self.groups:
-                continue
-            out = self._guarded(group.request_id, self._output, group)
+            out = self._guarded(req.request_id, self._append_token, parent, req, result)
             if out is not _FAILED:
                 outputs.append(out)
-                if group.finished:
-                    del self.groups[group.request_id]
-        return outputs + self._take_failed()
+        return outputs + self._take_pending()
 
     def _guarded(self, request_id: str, fn, *args):
         """fn(*args); if it raises, fail that request (not the engine) and return _FAILED."""
         try:
             return fn(*args)
         except Exception as e:
-            group = self.groups.get(request_id)
-            if group is not None:
-                self._fail(group, e)
+            parent = self.parents.get(request_id)
+            if parent is not None:
+                self._fail(parent, e)
             return _FAILED
 
-    def _take_failed(self) -> list[RequestOutput]:
-        failed, self._aborted = self._aborted, []
-        return failed
+    def _take_pending(self) -> list[CoreOutput]:
+        pending, self._pending = self._pending, []
+        return pending
 
     def _sample(self, logits, rows: list[int], reqs: list[Request]) -> list[tuple[Request, SampleResult]]:
         """Sample all rows at once; if the batch raises, sample each request alone, so that only
@@ -228,23 +207,23 @@ class EngineCore:
             logger.warning("batched sampling raised; sampling each request alone to find the one at fault")
         results = []
         for i, req in enumerate(reqs):
-            if req.request_id not in self.groups:
+            if req.request_id not in self.parents:
                 continue
             result = self._guarded(req.request_id, self.sampler, batch_logits[i:i + 1], [req])
             if result is not _FAILED:
                 results.append((req, result[0]))
         return results
 
-    def _fork(self, parent: Request) -> list[Request]:
-        """The parent's prompt is done: its n - 1 sibling choices share its blocks from here on."""
-        parent.forked = True
-        group = self.groups[parent.request_id]
+    def _fork(self, first: Request) -> list[Request]:
+        """The first choice's prompt is done: its n - 1 siblings share its blocks from here on."""
+        first.forked = True
+        parent = self.parents[first.request_id]
         children = []
-        for i in range(1, parent.sampling_params.n):
-            child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling_params, index=i)
+        for i in range(1, first.sampling_params.n):
+            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
             child.forked = True
-            group.streams[i] = child
-            copies = self.kv.fork(parent, child)
+            parent.choices[i] = child
+            copies = self.kv.fork(first, child)
             if copies is None:  # no block for the copy: this choice recomputes its prompt later
                 self.scheduler.add(child)
                 continue
@@ -253,13 +232,13 @@ class EngineCore:
             children.append(child)
         return children
 
-    def _append_token(self, group: _Group, req: Request, result: SampleResult) -> None:
+    def _append_token(self, parent: ParentRequest, req: Request, result: SampleResult) -> CoreOutput:
         tok = result.token_id
+        if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
+            self.prompt_tokens_total += req.num_prompt_tokens
+            parent.num_cached_tokens = req.num_cached_tokens
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
-        if req.logprobs is not None:
-            req.logprobs.append(result.top_logprobs)
-            req.cumulative_logprob += result.logprob
         p = req.sampling_params
         n_out = len(req.output_token_ids)
         reason, stop_reason = None, None
@@ -267,16 +246,19 @@ class EngineCore:
             reason = "stop"
         elif n_out >= p.min_tokens and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
-        else:
-            stop = group.detokenizers[req.index].add_token(tok)
-            if stop is not None and n_out >= p.min_tokens:
-                reason, stop_reason = "stop", stop
-        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                               or req.num_tokens >= self.max_model_len):
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             req.finish_reason, req.stop_reason = reason, stop_reason
             self.scheduler.finish(req)
+        out = CoreOutput(req.request_id, req.index, [tok],
+                         [result.top_logprobs] if p.logprobs is not None else None, reason, stop_reason)
+        if req.index == 0 and n_out == 1:  # the request's first output carries what the prompt gave
+            out.prompt_logprobs, out.num_cached_tokens = req.prompt_logprobs, parent.num_cached_tokens
+        if parent.finished:
+            out.request_finished = True
+            del self.parents[req.request_id]
+        return out
 
     def _record_prompt_logprobs(self, req: Request, first_token: int, rows) -> None:
         import torch
@@ -292,22 +274,6 @@ class EngineCore:
                 entry = dict(zip(ids.tolist(), vals.tolist()))
             entry[tok] = float(row[tok])
             req.prompt_logprobs.append(entry)
-        self.groups[req.request_id].prompt_logprobs = req.prompt_logprobs
-
-    def _output(self, group: _Group) -> RequestOutput:
-        choices = []
-        for i, s in enumerate(group.streams):
-            if s is None:  # a choice not forked yet
-                choices.append(CompletionOutput(i, "", [], finish_reason="abort" if group.ended else None))
-                continue
-            finished = s.is_finished
-            choices.append(CompletionOutput(
-                index=i, text=group.detokenizers[i].output_text(finished), token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, choices, group.finished,
-                             prompt_logprobs=group.prompt_logprobs, num_cached_tokens=group.num_cached_tokens)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 

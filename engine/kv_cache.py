@@ -139,12 +139,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = request.num_computed_tokens // self.block_size
-        tokens = None
         while len(request.block_hashes) < full:
             i = len(request.block_hashes)
-            tokens = tokens or request.all_token_ids
             parent = request.block_hashes[-1] if request.block_hashes else None
-            h = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size))
             request.block_hashes.append(h)
             self.pool.set_hash(request.block_ids[i], h)
 

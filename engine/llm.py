@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class LLM:
         else:
             self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -67,21 +69,31 @@ class LLM:
         try:
             for (text, ids), p in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p, prompt=text)
+                self.engine.add_request(rid, ids, p)
+                self.output_processor.add_request(rid, text, ids, p, delta=False)
                 order[rid] = len(order)
         except ValueError:
-            self.engine.abort_request(list(order))  # nothing half-submitted stays behind
-            self.engine.step()
+            self.engine.abort_request(list(order))  # nothing half-submitted stays behind (blocks freed now)
+            for rid in order:
+                self.output_processor.abort(rid)
             raise
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0
         while any(r is None for r in results):
-            for out in self.engine.step():
-                if out.finished and out.request_id in order:
+            for out in self._step():
+                if out.request_id in order:
                     results[order[out.request_id]] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                     bar.set_postfix(output_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         bar.close()
         return results
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step and its output processing: the requests that finished, complete. A stop
+        string found in the text ends its choice in the engine before the next step."""
+        outputs, stops = self.output_processor.process(self.engine.step())
+        for stop in stops:
+            self.engine.finish_choice(stop.request_id, stop.index, stop.stop)
+        return outputs

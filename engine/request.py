@@ -1,4 +1,6 @@
-"""Request: one generation stream (one choice) moving through waiting -> running -> finished."""
+"""The user's request and its choices: a ParentRequest holds n Requests, each one generation stream
+(one choice) moving through waiting -> running -> finished. The first choice prefills the prompt;
+the others are forked from it once the prompt is done, sharing its KV blocks."""
 
 from __future__ import annotations
 
@@ -31,8 +33,6 @@ class Request:
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.forked = sampling_params.n == 1  # n > 1: the parent forks its choices once its prompt is done
@@ -57,11 +57,35 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list (a decode step
+        reads one token: O(1), however long the output)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+class ParentRequest:
+    """What the user asked for: one prompt, its sampling parameters, and its n choices (None
+    until forked). Tracked by EngineCore until every choice has ended."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.choices: list[Request | None] = [None] * sampling_params.n
+        self.num_cached_tokens = 0
+        self.ended = False  # aborted or failed: choices never started are finished too
+
+    @property
+    def finished(self) -> bool:
+        return self.ended or all(c is not None and c.is_finished for c in self.choices)
+
+    def unfinished_indexes(self) -> list[int]:
+        return [i for i, c in enumerate(self.choices) if c is None or not c.is_finished]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Upper bounds taken from the OpenAI API where it sets one.
 MAX_N = 128

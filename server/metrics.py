@@ -89,23 +89,23 @@ class ServerMetrics:
         num_tokens = 0
         unfinished_reason = "abort"  # what to count if no final output arrives: the client left
         try:
-            async for output in stream:
+            async for output in stream:  # deltas
                 now = time.perf_counter()
-                total = sum(len(c.token_ids) for c in output.outputs)
-                if total > num_tokens:
-                    if num_tokens == 0:
-                        self.ttft.observe(now - arrival)
-                    else:
-                        # outputs may arrive coalesced: spread the gap over the tokens it carried
-                        gap = (now - last) / (total - num_tokens)
-                        for _ in range(total - num_tokens):
-                            self.itl.observe(gap)
-                    num_tokens, last = total, now
+                new = sum(len(c.token_ids) for c in output.outputs)
+                if new and num_tokens == 0:
+                    self.ttft.observe(now - arrival)
+                elif new:
+                    # outputs may arrive coalesced: spread the gap over the tokens it carried
+                    for _ in range(new):
+                        self.itl.observe((now - last) / new)
+                if new:
+                    num_tokens, last = num_tokens + new, now
+                for choice in output.outputs:
+                    if choice.finish_reason is not None:
+                        self.finished.labels(self.model_name, choice.finish_reason).inc()
                 if output.finished:
                     unfinished_reason = None
                     self.e2e.observe(now - arrival)
-                    for choice in output.outputs:
-                        self.finished.labels(self.model_name, choice.finish_reason or "abort").inc()
                 yield output
         except (ValueError, EngineOverloadedError):
             unfinished_reason = None  # refused at admission: it never ran

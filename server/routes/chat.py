@@ -65,52 +65,45 @@ class _Renderer:
                                                   self.body.top_logprobs or 0))
 
     @staticmethod
-    def _usage(output: RequestOutput) -> UsageInfo:
-        prompt = len(output.prompt_token_ids)
-        completion = sum(len(c.token_ids) for c in output.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._logprobs(c.token_ids, c.logprobs),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in output.outputs]
+        usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self._usage(output))
+                                      usage=usage)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                          usage=usage))
 
     async def events(self, stream):
-        sent_text: dict[int, int] = {}  # choice index -> characters sent; -1 once finished
-        sent_tokens: dict[int, int] = {}
-        final = None
+        """Each delta as chunks: the role first, then content (and logprobs), then finish_reason."""
+        started: set[int] = set()  # choices whose role chunk went out
+        prompt_tokens = completion_tokens = 0
         try:
             async for output in stream:
+                prompt_tokens = len(output.prompt_token_ids)
                 for c in output.outputs:
-                    if c.index not in sent_text:  # the first chunk of each choice carries the role
-                        sent_text[c.index] = sent_tokens[c.index] = 0
+                    completion_tokens += len(c.token_ids)
+                    if c.index not in started:
+                        started.add(c.index)
                         yield self._chunk([ChatStreamChoice(index=c.index,
                                                             delta=DeltaMessage(role="assistant", content=""))])
-                    n_chars, n_tokens = sent_text[c.index], sent_tokens[c.index]
-                    if n_chars < 0:
-                        continue
-                    new_text, new_ids = c.text[n_chars:], c.token_ids[n_tokens:]
-                    if new_text or (new_ids and self.body.logprobs):
-                        positions = c.logprobs[n_tokens:len(c.token_ids)] if c.logprobs else None
-                        yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=new_text),
-                                                            logprobs=self._logprobs(new_ids, positions))])
-                        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if c.text or (c.token_ids and self.body.logprobs):
+                        yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                            logprobs=self._logprobs(c.token_ids, c.logprobs))])
                     if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
-                        sent_text[c.index] = -1
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
                                                             finish_reason=c.finish_reason,
                                                             stop_reason=c.stop_reason)])
-                if output.finished:
-                    final = output
-            if self.body.include_usage and final is not None:
-                yield self._chunk([], usage=self._usage(final))
+            if self.body.include_usage:
+                yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream
             yield event(error_event_body(e))
         finally:

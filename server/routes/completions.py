@@ -62,19 +62,19 @@ class _Renderer:
         p = self.prompts[i]
         return p.text if p.text is not None else self.state.tokenizer.decode(p.token_ids)
 
-    def _echo_logprobs(self, i: int, output: RequestOutput):
+    def _echo_logprobs(self, i: int, prompt_logprobs):
         """The prompt's tokens and logprobs, for echo=True with logprobs."""
-        ids = output.prompt_token_ids
-        positions = output.prompt_logprobs or [None] * len(ids)
-        return completion_logprobs(ids, positions, self.state.token_texts)
+        ids = self.prompts[i].token_ids
+        return completion_logprobs(ids, prompt_logprobs or [None] * len(ids), self.state.token_texts)
 
-    def _choice(self, i: int, c, text: str, ids: list[int], positions, text_offset: int,
-                echo_output: RequestOutput | None) -> CompletionChoice:
+    def _choice(self, i: int, c, text: str, text_offset: int, echo: bool, prompt_logprobs) -> CompletionChoice:
+        """One choice (whole, or the delta of a stream chunk) in OpenAI's completion shape."""
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = completion_logprobs(ids, positions or [None] * len(ids), self.state.token_texts, text_offset)
-            if echo_output is not None:
-                head = self._echo_logprobs(i, echo_output)
+            ids = c.token_ids
+            logprobs = completion_logprobs(ids, c.logprobs or [None] * len(ids), self.state.token_texts, text_offset)
+            if echo:
+                head = self._echo_logprobs(i, prompt_logprobs)
                 shift = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
                 logprobs.text_offset = [o + shift for o in logprobs.text_offset]
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -82,50 +82,45 @@ class _Renderer:
         return CompletionChoice(index=i * self.body.n + c.index, text=text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-    def _usage(self, finals: dict[int, RequestOutput]) -> UsageInfo:
+    def _usage(self, completion_tokens: int) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                         total_tokens=prompt + completion_tokens)
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         for i, output in enumerate(finals):
             echo = self._prompt_text(i) if self.body.echo else ""
             for c in output.outputs:
-                choices.append(self._choice(i, c, echo + c.text, c.token_ids, c.logprobs, 0,
-                                            output if self.body.echo else None))
+                choices.append(self._choice(i, c, echo + c.text, 0, self.body.echo, output.prompt_logprobs))
+        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=self._usage(dict(enumerate(finals))))
+                                  usage=self._usage(completion_tokens))
 
     async def events(self, streams):
-        sent_text: dict[int, int] = {}  # choice index -> characters sent
-        sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
-        finals: dict[int, RequestOutput] = {}
+        """Each delta as a chunk; the work per chunk is that of its new text and tokens."""
+        sent_chars: dict[int, int] = {}  # choice index -> characters sent (the next text_offset)
+        prompt_logprobs: dict[int, list] = {}  # prompt -> its logprobs, for echo (with the first delta)
+        completion_tokens = 0
         merged = merge(streams)
         try:
             async for i, output in merged:
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[i] = output.prompt_logprobs
                 for c in output.outputs:
                     idx = i * self.body.n + c.index
-                    n_chars, n_tokens = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                    if n_tokens < 0:
-                        continue  # this choice already sent its finish_reason
-                    echo = self._prompt_text(i) if (idx not in sent_tokens and self.body.echo) else ""
-                    new_text, new_ids = c.text[n_chars:], c.token_ids[n_tokens:]
+                    completion_tokens += len(c.token_ids)
+                    echo = self.body.echo and idx not in sent_chars
                     # Tokens whose text is still held back (a partial character or stop string)
-                    # wait for the next chunk, unless the client wants their logprobs now.
-                    wanted = new_text or echo or c.finish_reason or (new_ids and self.body.logprobs is not None)
-                    if not wanted:
+                    # send nothing yet, unless the client wants their logprobs now.
+                    if not (c.text or echo or c.finish_reason or (c.token_ids and self.body.logprobs is not None)):
                         continue
-                    positions = c.logprobs[n_tokens:len(c.token_ids)] if c.logprobs else None
-                    choice = self._choice(i, c, echo + new_text, new_ids, positions, n_chars,
-                                          output if echo else None)
-                    sent_text[idx] = len(c.text)
-                    sent_tokens[idx] = -1 if c.finish_reason else len(c.token_ids)
-                    yield event(_chunk(self, [choice]))
-                if output.finished:
-                    finals[i] = output
+                    text = (self._prompt_text(i) if echo else "") + c.text
+                    yield event(_chunk(self, [self._choice(i, c, text, sent_chars.get(idx, 0), echo,
+                                                           prompt_logprobs.get(i))]))
+                    sent_chars[idx] = sent_chars.get(idx, 0) + len(c.text)
             if self.body.include_usage:
-                yield event(_chunk(self, [], usage=self._usage(finals)))
+                yield event(_chunk(self, [], usage=self._usage(completion_tokens)))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream
             yield event(error_event_body(e))
         finally:

@@ -42,7 +42,9 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for rid, ids in good.items():
         engine.add_request(rid, ids, params)
-    engine.step()  # both are now running
+    done = {}
+    for out in engine.step():  # both are now running
+        done.setdefault(out.request_id, []).extend(out.new_token_ids)
     bad = [
         ([], "empty"),
         ([5] * engine.max_model_len, "max_model_len"),
@@ -62,13 +64,12 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
         engine.add_request("a", [1, 2], params)
     with pytest.raises(ValueError, match="max_model_len"):
         tiny_llm.generate([[5, 6], [5] * engine.max_model_len], params, use_tqdm=False)
-    done = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        for out in engine.step():  # each step: the new token of each running choice
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
     path = tiny_models("llama")
-    assert done == {rid: hf_greedy(path, ids, 8) for rid, ids in good.items()}
+    # (the refused LLM.generate call's abort is reported too: it ended with no token)
+    assert {rid: done[rid] for rid in good} == {rid: hf_greedy(path, ids, 8) for rid, ids in good.items()}
     assert engine.stats()["num_used_blocks"] == 0
     # And it still serves new work.
     assert tiny_llm.generate([[9, 9, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, [9, 9, 9], 8)

@@ -66,13 +66,14 @@ def test_incremental_detokenization_never_emits_broken_characters(tiny_llm):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) > len(text.split()) * 2, "multi-byte characters span several tokens here"
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
-    seen = []
+    released = ""
     for t in ids:
         detok.add_token(t)
-        seen.append(detok.output_text(finished=False))
-        assert "\ufffd" not in seen[-1]
-    assert seen[-1] == tok.decode(ids) == text
-    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), "streamed text is only ever appended to"
+        piece = detok.take(finished=False)
+        assert "\ufffd" not in piece
+        released += piece
+        assert text.startswith(released), "released text is only ever appended to, never taken back"
+    assert released + detok.take(finished=True) == tok.decode(ids) == text
 
 
 class _CharTokenizer:
@@ -93,4 +94,4 @@ def test_the_earliest_stop_string_in_the_text_ends_it(stop, include, want_text, 
     detok = IncrementalDetokenizer(_CharTokenizer(), [0], stop=stop, include_stop_str_in_output=include)
     assert detok.add_token(1) is None
     assert detok.add_token(2) == want_stop
-    assert detok.output_text(finished=True) == want_text
+    assert detok.take(finished=True) == want_text

@@ -12,18 +12,25 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+
+
+class NumberTokenizer:
+    """Token i reads as " i"."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
 
 
 class FakeCore:
     """EngineCore's contract in miniature: FIFO waiting queue, max_num_seqs running, one token per
-    running request per step (token id = step count), cumulative outputs. While `hold` is clear,
-    steps make no progress, so tests can look at a full queue."""
+    running request per step (token id = step count), one CoreOutput per token. While `hold` is
+    clear, steps make no progress, so tests can look at a full queue."""
 
     model_name = "fake"
     max_model_len = 64
-    tokenizer = None
+    tokenizer = NumberTokenizer()
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -33,13 +40,13 @@ class FakeCore:
         self.running: list[str] = []
         self.reqs: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
-        self._abort_outputs: list[RequestOutput] = []
+        self._abort_outputs: list[CoreOutput] = []
         self.thread_ids: set[int] = set()
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None):
+    def add_request(self, request_id, prompt_token_ids, sampling_params):
         self._touch()
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -51,7 +58,7 @@ class FakeCore:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if rid in self.reqs:
                 self.aborted.append(rid)
-                self._abort_outputs.append(self._output(rid, "abort"))
+                self._abort_outputs.append(CoreOutput(rid, 0, finish_reason="abort", request_finished=True))
                 self._drop(rid)
 
     def _drop(self, rid):
@@ -60,10 +67,8 @@ class FakeCore:
             if rid in q:
                 q.remove(rid)
 
-    def _output(self, rid, reason=None):
-        ids, params, out = self.reqs[rid]
-        return RequestOutput(rid, None, ids, [CompletionOutput(0, " ".join(map(str, out)), list(out),
-                                                               finish_reason=reason)], reason is not None)
+    def finish_choice(self, request_id, index, stop):
+        pass  # no stop strings in these tests
 
     def has_unfinished_requests(self):
         return bool(self.reqs) or bool(self._abort_outputs)
@@ -80,7 +85,7 @@ class FakeCore:
             ids, params, out = self.reqs[rid]
             out.append(len(out) + 1)
             reason = "length" if len(out) >= params.max_tokens else None
-            outputs.append(self._output(rid, reason))
+            outputs.append(CoreOutput(rid, 0, [out[-1]], finish_reason=reason, request_finished=reason is not None))
             if reason:
                 self._drop(rid)
         return outputs
@@ -103,13 +108,14 @@ def _engine(**config) -> tuple[AsyncEngine, list[FakeCore]]:
 
 
 async def _collect(stream) -> RequestOutput:
-    last = None
+    """The deltas of a stream, merged into one output."""
+    whole = None
     async for out in stream:
-        last = out
-    return last
+        whole = out if whole is None else whole.merge(out)
+    return whole
 
 
-def test_streams_cumulative_outputs_and_core_stays_on_one_thread():
+def test_streams_deltas_and_core_stays_on_one_thread():
     async def main():
         engine, cores = _engine()
         await engine.start()
