@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "Completion
 
 def __getattr__(name):
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -13,11 +13,7 @@ import sys
 import engine
 from engine.arg_utils import (SERVING_ONLY, ArgumentParser, add_engine_args, add_log_level, engine_config_kwargs,
                               walk_parsers)
-from engine.default_model import DefaultModelMissingError
-
-# Errors a user causes and fixes (a bad flag value, a model folder that cannot be used): one line
-# on stderr and exit 2, never a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, DefaultModelMissingError)
+from engine.default_model import USER_ERRORS
 
 
 def _add_generate(sub) -> None:
@@ -43,7 +39,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -149,7 +149,7 @@ class EngineConfig:
         return tuple(int(x) for x in self.pipeline_layer_partition.split(","))
 
     def _check_layer_partition(self) -> None:
-        # The counts' sum is checked against the model's layers later (engine.parallel.layout).
+        # The counts' sum is checked against the model's layers later (engine.distributed.layout).
         value = self.pipeline_layer_partition
         text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).replace(" ", "")
         try:

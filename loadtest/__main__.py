@@ -3,7 +3,7 @@
     python -m loadtest --users 8 --spawn-rate 2 --run-time 60s --out-dir loadtest-report
     python -m loadtest --host http://10.0.0.5:8000 --users 32 --run-time 5m   # an existing server
 
-Without --host it starts `engine serve` (python -m server.cli serve) on 127.0.0.1 and a free
+Without --host it starts `engine serve` (python -m engine serve) on 127.0.0.1 and a free
 port, waits for /health, and stops it (its whole process group) afterwards. Locust runs headless
 with a hard time bound; its CSV files, its HTML report, the requests it drew (requests.json) and
 the server's log land in --out-dir (relative to the current folder). Prompts are sized in tokens

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_engine import EngineOverloadedError
+from engine.frontend.async_engine import EngineOverloadedError
 from engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -24,7 +24,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 # stats() key -> (metric name, help). Gauges are instantaneous; counters only grow.
 GAUGES = {
     "num_running": ("pagewise:num_requests_running", "Requests in the running batch."),
-    "num_waiting": ("pagewise:num_requests_waiting", "Requests waiting to be scheduled (incl. not yet handed to the engine)."),
+    "num_waiting": ("pagewise:num_requests_waiting",
+                    "Requests waiting to be scheduled (incl. not yet handed to the engine)."),
     "kv_cache_usage": ("pagewise:kv_cache_usage_perc", "Fraction of KV-cache blocks referenced (0-1)."),
     "num_used_blocks": ("pagewise:num_used_kv_blocks", "KV-cache blocks referenced by requests."),
     "num_total_blocks": ("pagewise:num_total_kv_blocks", "KV-cache blocks in the pool."),

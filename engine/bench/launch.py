@@ -39,7 +39,7 @@ def health_ok(base_url: str, timeout: float = 2.0) -> bool:
 
 
 def engine_server_cmd(model: str | None, extra: list[str] | None = None, python: str | None = None) -> list[str]:
-    cmd = [python or sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    cmd = [python or sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     if model:
         cmd += ["--model", model]
     return cmd + list(extra or [])

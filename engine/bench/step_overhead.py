@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(marks) + WINDOW // 2 > args.max_tokens:
         p.error(f"--marks must stay {WINDOW // 2} tokens below --max-tokens")
 
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     context = args.max_tokens + 128
     llm = LLM(args.model, dtype=args.dtype, max_model_len=context, num_kv_blocks=context // 16 + 8,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine.parallel.state import tp_all_gather_last_dim, tp_all_reduce, tp_state
+from engine.distributed.state import tp_all_gather_last_dim, tp_all_reduce, tp_state
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.parallel.state import tp_all_reduce, tp_state
+from engine.distributed.state import tp_all_reduce, tp_state
 
 
 def pack_weights(model: nn.Module, backend: str) -> None:
@@ -38,7 +38,8 @@ def _param(*shape: int, loader) -> nn.Parameter:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+                         f"{tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
@@ -105,7 +106,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size = kv_size
             # Which KV head serves this rank's query heads: rank // (ranks per KV head).
-            kv_head = tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size else tp.rank * self.num_kv_heads
+            kv_head = (tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size
+                       else tp.rank * self.num_kv_heads)
             start = kv_head * self.head_dim
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 

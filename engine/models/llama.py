@@ -16,7 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_settings
-from engine.parallel.pipeline import recv_activations, send_activations
+from engine.distributed.pipeline import recv_activations, send_activations
 
 
 def head_dim_of(cfg) -> int:
@@ -29,7 +29,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads, num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads, num_kv_heads,
+                                          qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
@@ -40,7 +41,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         # q and k sit side by side in each row: rotate them as one [T, heads, D] view, one pass.
@@ -150,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             # Not the last stage: logits of the right shape and no contents; rank 0 receives the
-            # real ones from the last stage into a buffer of this shape (engine.parallel.pipeline).
+            # real ones from the last stage into a buffer of this shape (engine.distributed.pipeline).
             return hidden.new_empty(()).expand(hidden.shape[0], self.config.vocab_size)
         return self.lm_head(hidden)
 

@@ -58,7 +58,8 @@ def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
     ]
 
 
-def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention: str = "flash", tp: int = 1) -> list[Saved]:
+def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention: str = "flash",
+                        tp: int = 1) -> list[Saved]:
     """Everything one layer keeps for backward without recomputation, per token on one TP rank."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
@@ -115,7 +116,8 @@ def layer_activation_bytes(
     if recompute == "full":
         # §4.1: only the layer's input is checkpointed (2sbh in fp16), split along the sequence with SP
         return math.ceil(tokens * act_bytes * spec.hidden_size / sp)
-    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp) if not (recompute == "selective" and t.core_attention)]
+    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp)
+            if not (recompute == "selective" and t.core_attention)]
     return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept))
 
 
@@ -182,7 +184,8 @@ def activation_memory(
     def tokens_bytes(saved: list[Saved]) -> int:
         return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in saved))
 
-    first, last = tokens_bytes(first_stage_saved_tensors(spec)), tokens_bytes(last_stage_saved_tensors(spec, act_bytes, tp))
+    first, last = (tokens_bytes(first_stage_saved_tensors(spec)),
+                   tokens_bytes(last_stage_saved_tensors(spec, act_bytes, tp)))
     shared = per_micro_batch_bytes(spec, seq_len, act_bytes, recompute)
     base, extra = divmod(spec.num_layers, pp)
     stored = max(

@@ -116,7 +116,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     """Register `plan` and its commands on an argparse subparsers object (`engine plan ...`)."""
-    add_commands(subparsers.add_parser("plan", help="estimate training and serving memory and time", description=__doc__))
+    add_commands(subparsers.add_parser("plan", help="estimate training and serving memory and time",
+                                       description=__doc__))
 
 
 def add_commands(plan: argparse.ArgumentParser) -> None:
@@ -190,7 +191,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         elif Path(args.model).exists():
             spec = _or_error(parser, "--model", ModelSpec.from_hf_config, args.model)
         else:
-            parser.error(f"argument --model: {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a config path")
+            parser.error(f"argument --model: {args.model!r} is neither a preset ({', '.join(PRESETS)}) "
+                         f"nor a config path")
     else:
         missing = [f"--{d}" for d in dims if getattr(args, d) is None]
         if missing:
@@ -254,9 +256,9 @@ def run_train(args: argparse.Namespace) -> int:
     )
     try:
         plan = plan_training(
-            spec, layout, seq_len=args.seq_len, precision=args.dtype, optimizer=args.optimizer, attention=args.attention,
-            tokens=args.tokens, samples=args.samples, epochs=args.epochs, flops_method=args.flops,
-            throughput=throughput(args), gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
+            spec, layout, seq_len=args.seq_len, precision=args.dtype, optimizer=args.optimizer,
+            attention=args.attention, tokens=args.tokens, samples=args.samples, epochs=args.epochs,
+            flops_method=args.flops, throughput=throughput(args), gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         )
     except PlanError as e:
         _plan_error(args.parser, e)

@@ -16,7 +16,8 @@ def nd_flops(params: int, tokens: int, recompute: str = "none") -> float:
 def matmul_params_per_layer(spec: ModelSpec) -> int:
     """Weights a token multiplies by in one layer: q, k, v, o projections and the MLP matrices."""
     mlp_matrices = 3 if spec.mlp == "swiglu" else 2
-    return spec.hidden_size * (2 * spec.q_size + 2 * spec.kv_size) + mlp_matrices * spec.hidden_size * spec.ffn_hidden_size
+    return (spec.hidden_size * (2 * spec.q_size + 2 * spec.kv_size)
+            + mlp_matrices * spec.hidden_size * spec.ffn_hidden_size)
 
 
 def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[int, int, int]:

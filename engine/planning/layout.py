@@ -67,10 +67,12 @@ class Layout:
         return self.grad_accum * self.dp * self.micro_batch
 
     def check(self, spec: ModelSpec) -> None:
-        check_positive(nodes=self.nodes, gpus_per_node=self.gpus_per_node, micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+        check_positive(nodes=self.nodes, gpus_per_node=self.gpus_per_node, micro_batch=self.micro_batch,
+                       grad_accum=self.grad_accum)
         check_model_parallel(spec, self.tp, self.pp)
         if self.gpus % (self.tp * self.pp):
-            raise PlanError("tp", f"tp x pp = {self.tp * self.pp} does not divide the {self.gpus} GPUs (nodes x gpus-per-node)")
+            raise PlanError("tp", f"tp x pp = {self.tp * self.pp} does not divide the {self.gpus} GPUs "
+                                  f"(nodes x gpus-per-node)")
         if self.zero not in ZERO_STAGES:
             raise PlanError("zero", f"must be one of {ZERO_STAGES}, got {self.zero}")
         if self.offload not in OFFLOADS:

@@ -26,8 +26,9 @@ def rows(pairs: list[tuple[str, str]]) -> str:
 
 def model_line(spec: ModelSpec) -> str:
     return (
-        f"model {spec.name}: {spec.params / 1e9:,.2f} B parameters, {spec.num_layers} layers, hidden {spec.hidden_size}, "
-        f"{spec.num_heads} heads ({spec.num_kv_heads} KV, head_dim {spec.head_dim}), ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}"
+        f"model {spec.name}: {spec.params / 1e9:,.2f} B parameters, {spec.num_layers} layers, "
+        f"hidden {spec.hidden_size}, {spec.num_heads} heads ({spec.num_kv_heads} KV, head_dim {spec.head_dim}), "
+        f"ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}"
     )
 
 
@@ -86,7 +87,8 @@ def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
 
 
 def search_table(spec: ModelSpec, result: SearchResult, top: int) -> str:
-    header = ["#", "TP", "PP", "DP", "ZeRO", "SP", "recompute", "micro", "accum", "weights", "grads", "optim", "acts", "total GiB", "days"]
+    header = ["#", "TP", "PP", "DP", "ZeRO", "SP", "recompute", "micro", "accum", "weights", "grads", "optim", "acts",
+              "total GiB", "days"]
     lines = [header]
     for rank, plan in enumerate(result.plans[:top], 1):
         lay, mem = plan.layout, plan.memory_per_gpu
@@ -98,5 +100,6 @@ def search_table(spec: ModelSpec, result: SearchResult, top: int) -> str:
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     table = "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
-    summary = f"{len(result.plans):,} of {result.considered:,} layouts fit; best {min(top, len(result.plans))} by estimated time"
+    summary = (f"{len(result.plans):,} of {result.considered:,} layouts fit; "
+               f"best {min(top, len(result.plans))} by estimated time")
     return "\n".join([model_line(spec), summary, "", table])

@@ -74,11 +74,14 @@ def search_plans(
     check_positive(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory=gpu_memory_bytes, global_batch=global_batch)
     layouts = candidate_layouts(spec, nodes, gpus_per_node, global_batch)
     if not layouts:
-        raise PlanError("global_batch", f"{global_batch} cannot be split evenly over any data-parallel size of {nodes * gpus_per_node} GPUs")
+        raise PlanError("global_batch", f"{global_batch} cannot be split evenly over any data-parallel size of "
+                                        f"{nodes * gpus_per_node} GPUs")
     fitting = []
-    for layout in tqdm(layouts, desc="layouts", unit="layout", disable=True if len(layouts) < PROGRESS_BAR_FROM else None):
+    for layout in tqdm(layouts, desc="layouts", unit="layout",
+                       disable=True if len(layouts) < PROGRESS_BAR_FROM else None):
         plan = plan_training(
-            spec, layout, seq_len=seq_len, tokens=tokens, throughput=throughput, gpu_memory_bytes=gpu_memory_bytes, **plan_kwargs
+            spec, layout, seq_len=seq_len, tokens=tokens, throughput=throughput, gpu_memory_bytes=gpu_memory_bytes,
+            **plan_kwargs
         )
         if plan.fits:
             fitting.append(plan)
@@ -89,7 +92,8 @@ def search_plans(
 def _rank(plan: TrainPlan) -> tuple:
     layout = plan.layout
     # Without a throughput every plan runs at the same unknown rate: FLOPs per GPU stretched by the bubble.
-    time = plan.time_s if plan.time_s is not None else plan.flops / layout.gpus * (1 + pipeline_bubble(layout.pp, layout.grad_accum))
+    time = (plan.time_s if plan.time_s is not None
+            else plan.flops / layout.gpus * (1 + pipeline_bubble(layout.pp, layout.grad_accum)))
     return (
         time, RECOMPUTE.index(layout.recompute), layout.tp, layout.pp, layout.zero, -layout.micro_batch,
         plan.memory_per_gpu.total,

@@ -38,7 +38,8 @@ def kv_capacity_tokens(kv_budget_bytes: int, kv_bytes_per_token: int, block_size
     return (kv_budget_bytes // (kv_bytes_per_token * block_size)) * block_size
 
 
-def forward_workspace_bytes(spec: ModelSpec, act_bytes: int, max_batched_tokens: int, max_seqs: int, tp: int = 1) -> int:
+def forward_workspace_bytes(spec: ModelSpec, act_bytes: int, max_batched_tokens: int, max_seqs: int,
+                            tp: int = 1) -> int:
     """Estimated activation peak of one inference forward over `max_batched_tokens` tokens.
 
     Nothing is kept for backward, so the peak is the widest point of one layer: the residual stream

@@ -54,7 +54,8 @@ class ModelSpec:
     params_override: int | None = None  # a published total that replaces the computed one
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size"):
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                      "vocab_size"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
@@ -73,7 +74,8 @@ class ModelSpec:
         try:
             return cls._from_config_dict(cfg)
         except KeyError as e:
-            raise ValueError(f"config has no {e.args[0]!r}: Llama, Mistral, Qwen2, Qwen3 and GPT-2 configs are understood") from None
+            raise ValueError(f"config has no {e.args[0]!r}: Llama, Mistral, Qwen2, Qwen3 and GPT-2 configs "
+                             f"are understood") from None
 
     @classmethod
     def _from_config_dict(cls, cfg: dict) -> ModelSpec:
@@ -176,12 +178,14 @@ class ModelSpec:
             if self.qkv_bias:
                 t.append(ParamTensor("qkv_proj.bias", self.q_size + 2 * self.kv_size, "heads", "layer"))
         else:
-            for proj, size, split in (("q", self.q_size, "heads"), ("k", self.kv_size, "kv_heads"), ("v", self.kv_size, "kv_heads")):
+            for proj, size, split in (("q", self.q_size, "heads"), ("k", self.kv_size, "kv_heads"),
+                                      ("v", self.kv_size, "kv_heads")):
                 t.append(ParamTensor(f"{proj}_proj", h * size, split, "layer"))
                 if self.qkv_bias:
                     t.append(ParamTensor(f"{proj}_proj.bias", size, split, "layer"))
         if self.qk_norm:
-            t += [ParamTensor("q_norm", self.head_dim, "none", "layer"), ParamTensor("k_norm", self.head_dim, "none", "layer")]
+            t += [ParamTensor("q_norm", self.head_dim, "none", "layer"),
+                  ParamTensor("k_norm", self.head_dim, "none", "layer")]
         t.append(ParamTensor("o_proj", self.q_size * h, "heads", "layer"))
         if self.out_bias:
             t.append(ParamTensor("o_proj.bias", h, "none", "layer"))  # row-parallel bias: replicated

@@ -12,7 +12,8 @@ from engine.planning.memory import model_state_memory, weight_bytes
 from engine.planning.spec import ModelSpec
 
 
-def train_steps(global_batch: int, seq_len: int, *, tokens: int | None = None, samples: int | None = None, epochs: int | None = None) -> tuple[int, int]:
+def train_steps(global_batch: int, seq_len: int, *, tokens: int | None = None, samples: int | None = None,
+                epochs: int | None = None) -> tuple[int, int]:
     """(optimizer steps, tokens trained on). From a token count: ceil(tokens / (global batch x seq_len)).
     From a data set: epochs x ceil(samples / global batch), the last batch of an epoch partial."""
     check_positive(tokens=tokens, samples=samples, epochs=epochs)

@@ -8,7 +8,7 @@ import uuid
 
 from pydantic import BaseModel, ValidationError
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from engine.frontend.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from server.errors import APIError, bad_request, validation_error
 
 RETRY_AFTER_S = "1"

@@ -72,7 +72,8 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
     assert {rid: done[rid] for rid in good} == {rid: hf_greedy(path, ids, 8) for rid, ids in good.items()}
     assert engine.stats()["num_used_blocks"] == 0
     # And it still serves new work.
-    assert tiny_llm.generate([[9, 9, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, [9, 9, 9], 8)
+    assert (tiny_llm.generate([[9, 9, 9]], params, use_tqdm=False)[0].outputs[0].token_ids
+            == hf_greedy(path, [9, 9, 9], 8))
 
 
 def test_n_above_max_num_seqs_is_refused(tiny_models):
@@ -101,7 +102,8 @@ def test_unknown_model_type_names_supported(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(dtype="float64"), "dtype"), (dict(block_size=7), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(attention_backend="cudnn"), "attention_backend"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(attention_backend="cudnn"), "attention_backend"),
 ])
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -43,4 +43,5 @@ def test_a_failing_request_ends_alone(tiny_llm, tiny_models, poison, extra):
     assert {rid: tokens[rid] for rid in good} == {rid: hf_greedy(path, ids, 8) for rid, ids in good.items()}
     assert engine.stats()["num_used_blocks"] == 0 and not engine.parents
     # The engine still serves.
-    assert tiny_llm.generate([[9, 9, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(path, [9, 9, 9], 8)
+    assert (tiny_llm.generate([[9, 9, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == hf_greedy(path, [9, 9, 9], 8))

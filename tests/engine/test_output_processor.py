@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.output_processor import OutputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import CoreOutput
 from engine.sampling_params import SamplingParams
 

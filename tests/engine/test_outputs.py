@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from tests.engine.hf_oracle import hf_greedy
 
 

@@ -37,7 +37,8 @@ def test_fixed_seed_reproduces_and_ignores_batch_company(tiny_llm):
 def test_top_k_1_and_temperature_0_equal_greedy(tiny_llm, tiny_models):
     path = tiny_models("llama")
     expected = [hf_greedy(path, p, 10) for p in PROMPTS]
-    t0 = _tokens(tiny_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False))
+    t0 = _tokens(tiny_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                   use_tqdm=False))
     k1 = _tokens(tiny_llm.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=10, seed=5,
                                                             ignore_eos=True), use_tqdm=False))
     assert t0 == expected and k1 == expected

@@ -206,7 +206,8 @@ def test_packed_linear_matches_float64(dtype):
     bias = torch.randn(96, generator=gen).to(dtype)
     packed = kernels.pack_linear_weight(w, backend="cpu")
     assert packed is not None and kernels.pack_linear_weight(w, backend="torch") is None
-    for x in (torch.randn(1, 40, generator=gen), torch.randn(64, 40, generator=gen), torch.randn(2, 5, 40, generator=gen)):
+    for x in (torch.randn(1, 40, generator=gen), torch.randn(64, 40, generator=gen),
+              torch.randn(2, 5, 40, generator=gen)):
         x = x.to(dtype)
         want = F.linear(x.double(), w.double(), bias.double())
         got = kernels.linear(x, w, bias, packed)

@@ -1,11 +1,29 @@
-"""Tiny models for the parallel tests, built once per session (float32, peaked logits)."""
+"""Tiny models for the parallel tests, built once per session (float32, peaked logits); the
+multi-process tests are marked slow."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tests.parallel.helpers import live_descendants
 from tests.tiny_model import build_tiny_model
+
+
+# Modules whose every test starts worker or replica processes; elsewhere in this folder, a test
+# that asks for `new_processes` does. They are the slow lane (`pytest -m "not slow"` skips them).
+_MULTI_PROCESS_MODULES = {"test_tp_pp_parity", "test_failures", "test_data_parallel_offline",
+                          "test_data_parallel_server", "test_torchrun", "test_kv_replication"}
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(item.path).parent != _HERE:
+            continue
+        if Path(item.path).stem in _MULTI_PROCESS_MODULES or "new_processes" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -35,7 +53,7 @@ def mqa_model(tmp_path_factory) -> str:
 def single_process_outputs(gqa_model):
     """The reference, one process with the same settings: per prompt the greedy (token ids, text);
     a forked request (n=2, prompt logprobs); and the engine's stats."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from tests.parallel.helpers import ENGINE_ARGS, NUM_BLOCKS, PROMPTS, forked, greedy
 
     with LLM(gqa_model, num_kv_blocks=NUM_BLOCKS, **ENGINE_ARGS) as llm:

@@ -4,7 +4,7 @@ shutdown leaves nothing running."""
 
 from __future__ import annotations
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from tests.parallel.helpers import ENGINE_ARGS, NUM_BLOCKS, PROMPTS, greedy
 
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engine.llm import LLM
-from engine.parallel.procs import ChildProcesses, WorkerDiedError
+from engine.frontend.llm import LLM
+from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.sampling_params import SamplingParams
 from tests.parallel.helpers import ENGINE_ARGS, PROMPTS, pid_alive
 
@@ -89,7 +89,7 @@ def test_children_exit_when_their_parent_is_killed():
     """SIGKILL gives the engine process no chance to clean up: its children notice by themselves."""
     code = textwrap.dedent("""
         import sys, time
-        from engine.parallel.procs import ChildProcesses
+        from engine.executor.procs import ChildProcesses
         child = ChildProcesses().start("pagewise-grandchild", time.sleep, 600)
         print(child.pid, flush=True)
         time.sleep(600)

@@ -109,7 +109,7 @@ def test_removed_knobs_are_named_only_by_the_warning():
 
 def test_one_micro_batch_per_step_gives_the_same_tokens(gqa_model, single_process_outputs, new_processes):
     """pipeline_micro_batches reaches the executor: one micro-batch (no overlap) changes nothing."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from tests.parallel.helpers import ENGINE_ARGS, NUM_BLOCKS, PROMPTS, greedy
 
     expected, _, _ = single_process_outputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.planning import ModelSpec, kv_bytes_per_token
 from tests.parallel.helpers import BLOCK_SIZE, ENGINE_ARGS, NUM_BLOCKS, PROMPTS, greedy
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import EngineConfig
-from engine.parallel.layout import balanced_layer_ranges, check_layout
-from engine.parallel.pipeline import split_micro_batches
-from engine.parallel.router import Router
+from engine.distributed.layout import balanced_layer_ranges, check_layout
+from engine.distributed.pipeline import split_micro_batches
+from engine.frontend.router import Router
 
 
 def hf(heads=4, kv_heads=2, layers=4, ffn=128):
@@ -47,10 +47,10 @@ def test_tp_beyond_kv_heads_replicates_them():
 
 def test_balanced_split_is_planning_s():
     assert balanced_layer_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]  # the first L mod pp stages one more
-    l = layout(tp=2, pp=2)
-    assert l.layer_ranges == ((0, 2), (2, 4))
-    assert [l.stage_of(r) for r in range(4)] == [0, 0, 1, 1] and l.tp_group_ranks(1) == [2, 3]
-    assert l.last_stage_leader == 2
+    lay = layout(tp=2, pp=2)
+    assert lay.layer_ranges == ((0, 2), (2, 4))
+    assert [lay.stage_of(r) for r in range(4)] == [0, 0, 1, 1] and lay.tp_group_ranks(1) == [2, 3]
+    assert lay.last_stage_leader == 2
 
 
 def test_layer_partition_override():

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +31,7 @@ def test_two_torchrun_nodes_pipeline_parallel(gqa_model, tmp_path):
     def node(rank: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "engine.parallel.launch", *engine_args]
+               "-m", "engine.torchrun", *engine_args]
         log = open(tmp_path / f"node{rank}.log", "w")
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE if rank == 0 else log,
                                 stderr=log, text=True)

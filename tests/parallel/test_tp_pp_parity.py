@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 import kernels
-from engine.llm import LLM
-from engine.parallel.executor import pipeline_bubble
+from engine.frontend.llm import LLM
+from engine.executor.executor import pipeline_bubble
 from engine.planning import ModelSpec, kv_bytes_per_token, kv_capacity_tokens
 from tests.parallel.helpers import BLOCK_SIZE, ENGINE_ARGS, NUM_BLOCKS, PROMPTS, forked, greedy
 

@@ -9,7 +9,8 @@ import pytest
 from engine.planning import ModelSpec, kv_bytes_per_token, kv_capacity_tokens
 from engine.planning.units import GiB
 
-TRAIN_KEYS = {"params", "global_batch", "steps", "flops", "time_s", "memory_per_gpu", "activations_per_layer", "cpu_memory", "fits"}
+TRAIN_KEYS = {"params", "global_batch", "steps", "flops", "time_s", "memory_per_gpu", "activations_per_layer",
+              "cpu_memory", "fits"}
 MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "total"}
 SERVE_KEYS = {"params", "weights_per_gpu", "kv_bytes_per_token", "kv_capacity_tokens", "max_seqs_at_max_len"}
 TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9"]
@@ -37,7 +38,8 @@ def test_train_json_keys_and_plain_numbers():
 
 
 def test_serve_json_keys_and_fixed_kv_budget_matches_the_engine_rule():
-    out = plan_json("serve", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--kv-cache-memory", "1.5GiB", "--max-model-len", "2048")
+    out = plan_json("serve", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--kv-cache-memory", "1.5GiB",
+                    "--max-model-len", "2048")
     assert SERVE_KEYS <= out.keys()
     spec = ModelSpec.from_preset("qwen2.5-0.5b")
     expected = kv_capacity_tokens(int(1.5 * GiB), kv_bytes_per_token(spec, 4), 16)  # what the engine computes on CPU
@@ -47,7 +49,8 @@ def test_serve_json_keys_and_fixed_kv_budget_matches_the_engine_rule():
 
 def test_search_json_lists_fitting_plans_best_first():
     out = plan_json("search", "--model", "llama-2-7b", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
-                    "--seq-len", "4096", "--global-batch", "64", "--tokens", "1e10", "--achieved-tflops", "400", "--top", "3")
+                    "--seq-len", "4096", "--global-batch", "64", "--tokens", "1e10", "--achieved-tflops", "400",
+                    "--top", "3")
     assert len(out["plans"]) == 3 and out["fitting"] >= 3
     times = [p["time_s"] for p in out["plans"]]
     assert times == sorted(times)
@@ -77,7 +80,8 @@ def test_old_kv_flag_warns_and_abbreviations_are_refused():
 @pytest.mark.parametrize("command", [
     [*TRAIN, "--gpu-memory-gib", "80"],
     ["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80"],
-    ["search", "--model", "gpt2", "--gpu-memory-gib", "24", "--seq-len", "1024", "--global-batch", "8", "--tokens", "1e8"],
+    ["search", "--model", "gpt2", "--gpu-memory-gib", "24", "--seq-len", "1024", "--global-batch", "8",
+     "--tokens", "1e8"],
 ])
 def test_tables_by_default(command):
     done = engine_plan(*command)
@@ -91,14 +95,17 @@ def test_tables_by_default(command):
     ([*TRAIN, "--tp", "2"], "--tensor-parallel-size/-tp/--tp"),  # 2-way TP on one GPU
     (["serve", "--model", "llama-2-7b", "--kv-cache-memory", "0GiB"], "--kv-cache-memory"),
     (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "-pp", "33"], "--pipeline-parallel-size"),
-    (["train", "--layers", "2", "--hidden", "-64", "--heads", "4", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--hidden"),
-    (["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3", "--vocab", "100", "--seq-len", "8", "--tokens", "8"], "--kv-heads"),
+    (["train", "--layers", "2", "--hidden", "-64", "--heads", "4", "--vocab", "100", "--seq-len", "8",
+      "--tokens", "8"], "--hidden"),
+    (["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3", "--vocab", "100",
+      "--seq-len", "8", "--tokens", "8"], "--kv-heads"),
     ([*TRAIN, "--zero", "1", "--offload", "optimizer"], "--offload"),
     ([*TRAIN, "--mfu", "0.5"], "--mfu"),
     (["train", "--model", "llama-2-7b", "--seq-len", "4096"], "--tokens"),
     (["train", "--model", "no-such-model", "--seq-len", "8", "--tokens", "8"], "--model"),
     (["serve", "--model", "llama-2-7b"], "--gpu-memory-gib"),
-    (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "1.5"],
+     "--gpu-memory-utilization"),
     # 13 GPUs for GPT-2 (12 heads, 12 layers) can only be 13 data-parallel replicas
     (["search", "--model", "gpt2", "--gpus-per-node", "13", "--gpu-memory-gib", "80", "--seq-len", "1024",
       "--global-batch", "3", "--tokens", "1e9"], "--global-batch"),

@@ -68,7 +68,8 @@ def test_training_time_6nd_at_peak_and_8nd_at_achieved(capsys):
 
 def test_global_batch_and_steps_per_epoch(capsys):
     # 1,000 samples, micro batch 10, 2 accumulation steps, 1 GPU: global batch 20, 50 steps an epoch.
-    common = ["train", "--model", "gpt2", "--seq-len", "1024", "--samples", "1000", "--micro-batch", "10", "--grad-accum", "2"]
+    common = ["train", "--model", "gpt2", "--seq-len", "1024", "--samples", "1000", "--micro-batch", "10",
+              "--grad-accum", "2"]
     out = plan(capsys, *common)
     assert (out["global_batch"], out["steps"]) == (20, 50)
     assert plan(capsys, *common, "--epochs", "3")["steps"] == 150
@@ -76,10 +77,10 @@ def test_global_batch_and_steps_per_epoch(capsys):
 
 def test_exact_flops_equal_narayanan_formula_for_gpt3():
     # Narayanan et al. 2021, §5.1: with full recomputation a GPT step costs
-    # 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs. Exact for a GPT layer (no biases or norms counted).
+    # 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs, l the layer count. Exact for a GPT layer (no biases or norms counted).
     spec = ModelSpec.from_preset("gpt3-175b")
-    B, s, l, h, V = 1536, 2048, 96, 12288, 50257
-    published = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    B, s, layers, h, V = 1536, 2048, 96, 12288, 50257
+    published = 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
     assert exact_flops(spec, s, B * s, recompute="full") == pytest.approx(published, rel=1e-12)
 
 

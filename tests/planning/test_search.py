@@ -36,9 +36,11 @@ def test_pipeline_bubble_makes_fewer_micro_batches_slower():
         LLAMA_13B, nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048, global_batch=16,
         tokens=10**9, throughput=Throughput(achieved=300e12),
     )
-    by_layout = {(p.layout.pp, p.layout.micro_batch, p.layout.tp, p.layout.zero, p.layout.recompute, p.layout.sequence_parallel): p
+    by_layout = {(p.layout.pp, p.layout.micro_batch, p.layout.tp, p.layout.zero, p.layout.recompute,
+                  p.layout.sequence_parallel): p
                  for p in result.plans}
-    pp4 = [p for (pp, mb, tp, zero, rc, sp), p in by_layout.items() if pp == 4 and tp == 2 and zero == 0 and rc == "none" and not sp]
+    pp4 = [p for (pp, mb, tp, zero, rc, sp), p in by_layout.items()
+           if pp == 4 and tp == 2 and zero == 0 and rc == "none" and not sp]
     assert len(pp4) >= 2
     pp4.sort(key=lambda p: p.layout.micro_batch)
     assert pp4[0].time_s < pp4[-1].time_s  # (p - 1) / m grows as micro-batches get bigger and fewer

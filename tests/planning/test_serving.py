@@ -38,7 +38,8 @@ def test_from_hf_config_dicts_of_the_engine_models():
     transformers = pytest.importorskip("transformers")
     llama = ModelSpec.from_hf_config(transformers.LlamaConfig(num_key_value_heads=None).to_dict())
     assert llama.num_kv_heads == llama.num_heads  # missing -> heads
-    qwen3 = ModelSpec.from_hf_config(transformers.Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128).to_dict())
+    qwen3 = ModelSpec.from_hf_config(transformers.Qwen3Config(hidden_size=1024, num_attention_heads=16,
+                                                              num_key_value_heads=8, head_dim=128).to_dict())
     assert qwen3.head_dim == 128 and qwen3.qk_norm  # explicit head_dim beats hidden / heads
     qwen2 = ModelSpec.from_hf_config(transformers.Qwen2Config().to_dict())
     assert qwen2.qkv_bias and not qwen2.out_bias
@@ -46,7 +47,8 @@ def test_from_hf_config_dicts_of_the_engine_models():
 
 def test_config_json_file_or_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+    config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                        num_attention_heads=8, num_key_value_heads=2)
     config.save_pretrained(tmp_path)
     from_dict = ModelSpec.from_hf_config(config.to_dict())
     assert ModelSpec.from_hf_config(tmp_path) == from_dict == ModelSpec.from_hf_config(tmp_path / "config.json")

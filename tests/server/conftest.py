@@ -1,4 +1,4 @@
-"""A real `python -m server.cli serve` subprocess on 127.0.0.1, shared by the server tests."""
+"""A real `python -m engine serve` subprocess on 127.0.0.1, shared by the server tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Start a real `python -m server.cli serve` subprocess and read its /metrics."""
+"""Start a real `python -m engine serve` subprocess and read its /metrics."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def clean_env() -> dict:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0,
-                 entry: str = "server.cli"):
+                 entry: str = "engine"):
         """`entry`: the module run as `python -m ENTRY serve`; "engine.cli" is the `engine` console script."""
         self.log_path = log_path
         self._log = open(log_path, "w")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from engine.frontend.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from engine.config import EngineConfig
 from engine.outputs import CoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -33,7 +33,7 @@ async def _poll_running(url: str, stop: asyncio.Event, seen: list[float]) -> Non
 
 
 def test_64_concurrent_streams_match_offline_greedy(server, tiny_model_dir):
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     prompts = _prompts(NUM_STREAMS)
@@ -108,7 +108,8 @@ def test_cancelled_streams_free_everything(server):
     aborted = (metric(text, "pagewise:requests_finished_total", finished_reason="abort") or 0.0) - aborted_before
     assert aborted == 16, "each cancelled stream is counted as aborted"
     # 16 x 400 tokens were asked for; cancelling stopped generation long before that
-    assert metric(text, "pagewise:generation_tokens_total") - metric(before, "pagewise:generation_tokens_total") < 16 * 400
+    assert (metric(text, "pagewise:generation_tokens_total")
+            - metric(before, "pagewise:generation_tokens_total") < 16 * 400)
 
     with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id

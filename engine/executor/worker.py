@@ -15,11 +15,11 @@ import time
 import torch.distributed as dist
 
 from engine.layers.linear import packed_bytes
-from engine.parallel import pipeline
-from engine.parallel.groups import destroy_distributed, init_distributed
-from engine.parallel.layout import ParallelLayout
-from engine.parallel.state import pp_state, tp_state
-from engine.parallel.step import REPORT, STOP, StepMessage
+from engine.distributed import pipeline
+from engine.distributed.groups import destroy_distributed, init_distributed
+from engine.distributed.layout import ParallelLayout
+from engine.distributed.state import pp_state, tp_state
+from engine.executor.step import REPORT, STOP, StepMessage
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Child processes (TP/PP workers, data-parallel replicas) that die with their parent and whose
 deaths are noticed at once.
 
-A child is a fresh `python -m engine.parallel.procs` that reads what to run from its stdin.
+A child is a fresh `python -m engine.executor.procs` that reads what to run from its stdin.
 Unlike multiprocessing's spawn it never re-imports the caller's main script, so
 `LLM(tensor_parallel_size=2)` works in a script without an `if __name__ == "__main__"` guard.
 The stdin pipe stays open as a lifeline: when the parent goes, however it went (SIGKILL
@@ -55,7 +55,7 @@ class ChildProcesses:
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         # A session of its own: a Ctrl-C at the terminal reaches only us, and we drain and stop
         # the children in order, rather than every process dying mid-collective.
-        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.procs"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "engine.executor.procs"], stdin=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": path}, pass_fds=pass_fds, start_new_session=True)
         payload = pickle.dumps((name, target, args, logging.getLogger().getEffectiveLevel()))
         proc.stdin.write(len(payload).to_bytes(8, "little") + payload)

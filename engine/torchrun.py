@@ -4,7 +4,7 @@ tp_rank), so with --nproc-per-node equal to tensor_parallel_size each node holds
 and the TP all-reduces stay inside a node.
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
-        -m engine.parallel.launch serve --model /models/llama \\
+        -m engine.torchrun serve --model /models/llama \\
         --tensor-parallel-size 2 --pipeline-parallel-size 2
 """
 
@@ -14,13 +14,13 @@ import logging
 import os
 import sys
 
-from engine.parallel.layout import TORCHRUN_ENV, launched_by_torchrun
+from engine.distributed.layout import TORCHRUN_ENV, launched_by_torchrun
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not launched_by_torchrun():
-        print(f"engine.parallel.launch runs under torchrun, which sets {', '.join(TORCHRUN_ENV)}; "
+        print(f"engine.torchrun runs under torchrun, which sets {', '.join(TORCHRUN_ENV)}; "
               "on one node, plain `engine serve --tensor-parallel-size N` starts its ranks itself", file=sys.stderr)
         return 2
     from engine.cli import build_parser, main as engine_main
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(argv)
     from engine.arg_utils import engine_config_from_args
     from engine.loader import resolve_model
-    from engine.parallel.layout import check_layout
-    from engine.parallel.worker import worker_main
+    from engine.distributed.layout import check_layout
+    from engine.executor.worker import worker_main
 
     args = build_parser().parse_args(argv)
     rank = int(os.environ["RANK"])

@@ -1,7 +1,7 @@
 """Which tensor-parallel rank and pipeline stage this process is. Single-process defaults: rank 0
 of 1, stage 0 of 1 owning every layer.
 
-`engine.parallel.groups` sets these when it builds the process groups; layers read them at
+`engine.distributed.groups` sets these when it builds the process groups; layers read them at
 construction so each rank builds (and loads) only its shard, and the model reads the stage to
 know whether it embeds, receives activations, sends them on, or computes logits.
 """

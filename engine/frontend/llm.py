@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.output_processor import OutputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -20,7 +20,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config):
         self.config = EngineConfig(model=model, **config)
         if self.config.data_parallel_size > 1:  # replicas in their own processes, behind the same core API
-            from engine.parallel.data_parallel import DataParallelCore
+            from engine.frontend.data_parallel import DataParallelCore
 
             self.engine = DataParallelCore(self.config)
         else:
@@ -39,14 +39,16 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], sampling_params,
                          use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel.state import pp_state
+from engine.distributed.state import pp_state
 
 
 @dataclass

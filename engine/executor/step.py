@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 
 STEP, REPORT, STOP = "step", "report", "stop"
 

@@ -2,7 +2,7 @@
 turns) and with one micro-batch per stage (stages overlap), printing for each the wall time,
 rank 0's step time, every stage's busy time and the bubble, next to the ideal (p - 1) / (m + p - 1).
 
-    python -m engine.parallel.bubble --model ./my-model --pipeline-parallel-size 2 --num-prompts 32
+    python -m engine.bench.bubble --model ./my-model --pipeline-parallel-size 2 --num-prompts 32
 
 Each rank gets one CPU thread (--num-threads), so on CPU the stages need a core each to overlap.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine.parallel.executor import pipeline_bubble
+from engine.executor.executor import pipeline_bubble
 
 _TIMED = ("steps", "step_s", "compute_s", "recv_wait_s", "busy_s")
 
 
 def measure(model: str, tp: int, pp: int, micro_batches: int, num_prompts: int, prompt_len: int, max_tokens: int,
             **engine_args) -> dict:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     prompts = [[(7 * i + j) % 200 + 10 for j in range(prompt_len)] for i in range(num_prompts)]

@@ -1,5 +1,5 @@
 """One data-parallel replica: a whole EngineCore (itself maybe TP x PP) in its own process,
-stepped by commands from the front (engine.parallel.data_parallel) over a pipe.
+stepped by commands from the front (engine.frontend.data_parallel) over a pipe.
 
 Front -> replica: ("add", request_id, prompt_token_ids, sampling_params, arrival_time),
 ("abort", [request_ids]), ("finish", request_id, index, stop_string), ("stop",). Replica ->

@@ -23,7 +23,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.output_processor import OutputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 

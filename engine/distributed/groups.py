@@ -24,8 +24,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from engine.parallel.layout import ParallelLayout
-from engine.parallel.state import (PipelineParallelState, TensorParallelState, WorldState, reset_parallel_state,
+from engine.distributed.layout import ParallelLayout
+from engine.distributed.state import (PipelineParallelState, TensorParallelState, WorldState, reset_parallel_state,
                                    set_parallel_state)
 
 START_TIMEOUT = datetime.timedelta(minutes=10)

@@ -5,11 +5,11 @@ rank 0 and computes its own share. Each step it splits the scheduled batch into 
 (pipeline_micro_batches of them, by default one per pipeline stage), broadcasts them to every
 rank on the control group, runs stage 0 on each micro-batch in turn (its sends do not wait), and,
 with pipeline stages, then receives each micro-batch's logits from the last stage. Followers run
-the same ModelRunner on the same inputs (engine.parallel.worker), so every rank builds identical
+the same ModelRunner on the same inputs (engine.executor.worker), so every rank builds identical
 batch tensors and block tables.
 
-On one node rank 0 starts the other ranks itself (engine.parallel.procs); under torchrun they
-are started by torchrun (`python -m engine.parallel.launch`) and rank 0 only joins them.
+On one node rank 0 starts the other ranks itself (engine.executor.procs); under torchrun they
+are started by torchrun (`python -m engine.torchrun`) and rank 0 only joins them.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from engine.model_runner import ModelRunner, StepLogits, resolve_device
-from engine.parallel import pipeline
-from engine.parallel.groups import destroy_distributed, init_distributed
-from engine.parallel.layout import ParallelLayout, check_layout, launched_by_torchrun
-from engine.parallel.procs import ChildProcesses, WorkerDiedError
-from engine.parallel.state import reset_parallel_state, world_state
-from engine.parallel.step import REPORT, STOP, StepMessage
-from engine.parallel.worker import rank_report, worker_main
-from engine.scheduler import SchedulerOutput
+from engine.distributed import pipeline
+from engine.distributed.groups import destroy_distributed, init_distributed
+from engine.distributed.layout import ParallelLayout, check_layout, launched_by_torchrun
+from engine.executor.procs import ChildProcesses, WorkerDiedError
+from engine.distributed.state import reset_parallel_state, world_state
+from engine.executor.step import REPORT, STOP, StepMessage
+from engine.executor.worker import rank_report, worker_main
+from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def make_runner(config, source):
     """A local ModelRunner for one process, else rank 0's ParallelExecutor."""
     if config.data_parallel_size > 1:
         raise ValueError("EngineCore runs one replica; data_parallel_size > 1 needs LLM(...) or `engine serve`, "
-                         "which start the replicas (engine.parallel.data_parallel)")
+                         "which start the replicas (engine.frontend.data_parallel)")
     if world_state().size > 1:  # layers read the process-wide parallel state as they are built
         raise RuntimeError("a tensor/pipeline-parallel engine is already running in this process: shut it down "
                            "(LLM.shutdown(), or leave its `with` block) before starting another engine")
@@ -69,7 +69,7 @@ class ParallelExecutor:
         self.num_micro_batches = (config.pipeline_micro_batches or layout.pp) if layout.pp > 1 else 1
         if launched_by_torchrun():
             if int(os.environ["RANK"]) != 0:
-                raise RuntimeError("under torchrun, ranks other than 0 run `python -m engine.parallel.launch`")
+                raise RuntimeError("under torchrun, ranks other than 0 run `python -m engine.torchrun`")
             init_method, local_rank = "env://", int(os.environ["LOCAL_RANK"])
         else:
             init_method, local_rank = f"tcp://127.0.0.1:{_free_port()}", 0
@@ -162,7 +162,7 @@ class ParallelExecutor:
         return WorkerDiedError(self._dead)
 
     def rank_reports(self) -> list[dict]:
-        """Every rank's measured memory and step timing (engine.parallel.worker.rank_report), by rank."""
+        """Every rank's measured memory and step timing (engine.executor.worker.rank_report), by rank."""
         self.check_health()
         reports = [None] * self.layout.world_size
         try:

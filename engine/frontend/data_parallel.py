@@ -23,10 +23,10 @@ import time
 from engine.core import check_request
 from engine.loader import resolve_model
 from engine.outputs import CoreOutput
-from engine.parallel.layout import check_layout
-from engine.parallel.procs import ChildProcesses, WorkerDiedError
-from engine.parallel.replica import replica_main
-from engine.parallel.router import Router
+from engine.distributed.layout import check_layout
+from engine.executor.procs import ChildProcesses, WorkerDiedError
+from engine.frontend.replica import replica_main
+from engine.frontend.router import Router
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, CoreOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 
