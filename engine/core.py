@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig
+from engine.executor.executor import make_runner
 from engine.kv_cache import KVCacheManager
 from engine.loader import resolve_model
 from engine.outputs import CoreOutput
-from engine.executor.executor import make_runner
 from engine.request import ParentRequest, Request
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams

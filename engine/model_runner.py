@@ -13,7 +13,7 @@ import torch
 import kernels
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
-from engine.layers.attention import AttentionMetadata
+from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
@@ -75,7 +75,10 @@ class ModelRunner:
             keep_freed_memory()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
+        # The kernels, chosen once: the backend's name (for reports) and its ops, which every layer
+        # reaches through the forward context execute_model sets.
         self.attn_backend = kernels.resolve_backend(config.attention_backend, self.device.type)
+        self.backend = kernels.get_backend(self.attn_backend)
         hf = source.hf_config
         self.hf_config = hf
         self.block_size = config.block_size
@@ -93,7 +96,7 @@ class ModelRunner:
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
-        pack_weights(self.model, self.attn_backend)
+        pack_weights(self.model, self.backend.pack_linear_weight)
         self.model.eval()
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         self.num_blocks = self._size_kv_cache()
@@ -146,8 +149,7 @@ class ModelRunner:
         for layer in self.model.layers():
             attn = layer.self_attn.attn
             shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache, attn.v_cache = kernels.allocate_kv_cache(*shape, self.kv_dtype, self.device,
-                                                                   backend=self.attn_backend)
+            attn.k_cache, attn.v_cache = self.backend.allocate_kv_cache(*shape, self.kv_dtype, self.device)
             self.kv_caches += [attn.k_cache, attn.v_cache]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -157,7 +159,7 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for layer in self.model.layers():
             attn = layer.self_attn.attn
-            kernels.copy_blocks(attn.k_cache, attn.v_cache, src, dst, backend=self.attn_backend)
+            self.backend.copy_blocks(attn.k_cache, attn.v_cache, src, dst)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -190,17 +192,16 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            backend=self.attn_backend,
         )
-        meta.plan = kernels.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, bs,
-                                           backend=self.attn_backend)
-        hidden, residual = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-        out = StepLogits(sample_reqs, None)
-        if sample_rows:
-            rows = torch.tensor(sample_rows, device=dev)
-            h = self.model.final_hidden(hidden[rows], residual[rows], self.attn_backend)
-            out.sample_logits = self.model.compute_logits(h)
-        for req, first_token, a, b in prompt_rows:
-            h = self.model.final_hidden(hidden[a:b], residual[a:b], self.attn_backend)
-            out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))
+        meta.plan = self.backend.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, bs)
+        with forward_context(meta, self.backend):
+            hidden, residual = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
+            out = StepLogits(sample_reqs, None)
+            if sample_rows:
+                rows = torch.tensor(sample_rows, device=dev)
+                h = self.model.final_hidden(hidden[rows], residual[rows])
+                out.sample_logits = self.model.compute_logits(h)
+            for req, first_token, a, b in prompt_rows:
+                h = self.model.final_hidden(hidden[a:b], residual[a:b])
+                out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))
         return out

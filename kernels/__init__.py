@@ -9,15 +9,22 @@ Backends:
   triton  kernels/triton_*.py: the CUDA path. On CPU tensors it runs only under Triton's
           interpreter (TRITON_INTERPRET=1 set before the kernels are imported), for tests.
 
-Triton and the C++ build are reached lazily, only once their backend is resolved or used, so
-`import kernels` stays light and works where either is missing.
+The engine chooses once: resolve_backend() maps its setting to a backend name at start-up,
+get_backend() gives that name's one Backend object, and every op is then a plain call on it
+(`backend.rms_norm(...)`), with no dispatch per call. The module-level functions below take a
+backend name instead, for tests and benches. Triton and the C++ build are reached lazily, only
+once their backend is resolved or used, so `import kernels` stays light and works where either
+is missing.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,45 +86,108 @@ def resolve_backend(name: str, device_type: str) -> str:
     return "triton"
 
 
-def _ops(backend: str):
-    """The module implementing `backend`; triton_ops and cpu_ops are imported on first use."""
-    if backend == "torch":
-        return reference
-    if backend == "cpu":
-        from kernels import cpu_ops
-        return cpu_ops
-    if backend == "triton":
-        from kernels import triton_ops
-        return triton_ops
-    raise ValueError(f"backend {backend!r} is not one of {BACKENDS}; pass what resolve_backend() returned")
+@dataclass(frozen=True)
+class Backend:
+    """One backend's ops, chosen once at start-up (`get_backend(resolve_backend(...))`) and called
+    directly: `backend.rms_norm(...)` runs that backend's kernel with no per-call dispatch. Every
+    backend has the same signatures (the module-level functions below document each op)."""
+
+    name: str
+    write_kv: Callable  # (key, value, k_cache, v_cache, slot_mapping) -> None
+    paged_attention: Callable  # (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None)
+    plan_attention: Callable  # (block_tables, query_start_loc, seq_lens, block_size) -> plan or None
+    allocate_kv_cache: Callable  # (num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> (k, v)
+    copy_blocks: Callable  # (k_cache, v_cache, src, dst) -> None
+    rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
+    apply_rotary: Callable  # (x, cos, sin) -> rotated x (may be x itself, rotated in place)
+    silu_and_mul: Callable  # (x) -> silu(gate) * up
+    pack_linear_weight: Callable  # (weight) -> packed copy or None
+    linear: Callable  # (x, weight, bias=None, packed=None) -> x @ weight.T + bias
 
 
-def _elementwise(backend: str):
-    """Norm / rotary / SwiGLU: C++ on the cpu backend, torch elsewhere (on CUDA these are a few
-    fused torch kernels each, next to matmuls that dominate)."""
-    return _ops("cpu") if backend == "cpu" else reference
+def _plain_linear(x, weight, bias=None, packed=None):
+    return F.linear(x, weight, bias)
+
+
+def _no_packing(weight):
+    return None
+
+
+def _torch_backend() -> Backend:
+    def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return reference.allocate_kv_cache(*shape, dtype, device), reference.allocate_kv_cache(*shape, dtype, device)
+
+    r = reference
+    return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear)
+
+
+def _cpu_backend() -> Backend:
+    from kernels import cpu_ops as c  # the C++ build itself waits for the first kernel call
+
+    def linear(x, weight, bias=None, packed=None):
+        return c.linear(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
+
+    return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
+                   c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear)
+
+
+def _triton_backend() -> Backend:
+    """Attention and the KV store in Triton; norm / rotary / SwiGLU stay a few fused torch kernels
+    each (next to the matmuls they are not worth a kernel of their own)."""
+    from kernels import triton_ops as t
+
+    def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None):
+        return t.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+    def plan_attention(block_tables, query_start_loc, seq_lens, block_size):
+        return None  # the kernels read the block tables themselves
+
+    def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(*shape, dtype=dtype, device=device), torch.zeros(*shape, dtype=dtype, device=device)
+
+    r = reference
+    return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear)
+
+
+_BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}
+
+
+@functools.cache
+def _backend(name: str) -> Backend:
+    return _BUILDERS[name]()
+
+
+def get_backend(name: str) -> Backend:
+    """The one Backend object of `name` (a name resolve_backend() returned); triton_ops and
+    cpu_ops are imported on the first call for their backend."""
+    if name not in _BUILDERS:
+        raise ValueError(f"backend {name!r} is not one of {BACKENDS}; pass what resolve_backend() returned")
+    return _backend(name)
+
+
+# ---- the ops by backend name: thin wrappers over get_backend(name), for tests and benches -------------
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
     """Store each new token's key and value at its slot in the paged cache; slot -1 = padding."""
-    _ops(backend).write_kv(key, value, k_cache, v_cache, slot_mapping)
+    get_backend(backend).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                     backend: str = "torch", plan=None):
     """Causal attention of each sequence's new queries over its cached keys and values.
-    `plan` (torch and cpu backends): plan_attention's per-step batch layout, shared by all layers."""
-    if backend in ("torch", "cpu"):
-        return _ops(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                             scale, plan=plan)
-    return _ops(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    `plan`: plan_attention's per-step batch layout, shared by all layers (ignored where it is None)."""
+    return get_backend(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                scale, plan=plan)
 
 
 def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, backend: str = "torch"):
     """Per-step work shared by every layer's attention call; None where the backend needs none."""
-    if backend in ("torch", "cpu"):
-        return _ops(backend).plan_attention(block_tables, query_start_loc, seq_lens, block_size)
-    return None
+    return get_backend(backend).plan_attention(block_tables, query_start_loc, seq_lens, block_size)
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device,
@@ -125,43 +195,37 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     """(k_cache, v_cache), zeroed, each of logical shape [num_blocks, block_size, num_kv_heads,
     head_dim]. Their memory layout is the backend's choice: contiguous for Triton, head-major
     underneath for torch, keys transposed within blocks for cpu."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if backend == "cpu":
-        return _ops("cpu").allocate_kv_cache(*shape, dtype, device)
-    if backend == "torch":
-        return tuple(reference.allocate_kv_cache(*shape, dtype, device) for _ in range(2))
-    return tuple(torch.zeros(*shape, dtype=dtype, device=device) for _ in range(2))
+    return get_backend(backend).allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
 
 
 def copy_blocks(k_cache, v_cache, src, dst, backend: str = "torch") -> None:
     """Copy whole cache blocks src[i] -> dst[i] (copy-on-write of a shared partial block)."""
-    _ops(backend).copy_blocks(k_cache, v_cache, src, dst)
+    get_backend(backend).copy_blocks(k_cache, v_cache, src, dst)
 
 
 def rms_norm(x, weight, eps: float, residual=None, backend: str = "torch"):
     """Without residual: weight * norm(x). With residual: (weight * norm(x + residual), x + residual)."""
-    return _elementwise(backend).rms_norm(x, weight, eps, residual)
+    return get_backend(backend).rms_norm(x, weight, eps, residual)
 
 
 def apply_rotary(x, cos, sin, backend: str = "torch"):
     """Rotary embedding of x [tokens, heads, head_dim] by cos/sin [tokens, 1, head_dim / 2];
     may rotate x in place (cpu backend): use the returned tensor."""
-    return _elementwise(backend).apply_rotary(x, cos, sin)
+    return get_backend(backend).apply_rotary(x, cos, sin)
 
 
 def silu_and_mul(x, backend: str = "torch"):
     """[tokens, 2 * inter] = [gate | up] -> silu(gate) * up."""
-    return _elementwise(backend).silu_and_mul(x)
+    return get_backend(backend).silu_and_mul(x)
 
 
 def pack_linear_weight(weight, backend: str = "torch"):
     """A copy of a linear weight in the layout the backend's matmul wants (cpu: oneDNN's blocked
     layout), or None where the plain weight is best. Hand it back to linear()."""
-    return _ops("cpu").pack_linear_weight(weight) if backend == "cpu" else None
+    return get_backend(backend).pack_linear_weight(weight)
 
 
 def linear(x, weight, bias=None, packed=None):
-    """x @ weight.T + bias, through `packed` when pack_linear_weight made one."""
-    if packed is not None:
-        return _ops("cpu").linear(x, packed, bias)
-    return F.linear(x, weight, bias)
+    """x @ weight.T + bias, through `packed` when pack_linear_weight made one (only the cpu
+    backend packs, so a packed weight is the cpu backend's)."""
+    return get_backend("cpu" if packed is not None else "torch").linear(x, weight, bias, packed)

@@ -158,8 +158,8 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     """The engine (not started yet) and the uvicorn server around its app."""
     import uvicorn
 
-    from engine.frontend.async_engine import AsyncEngine
     from engine.default_model import USER_ERRORS
+    from engine.frontend.async_engine import AsyncEngine
     from engine.frontend.data_parallel import DataParallelCore
     from server.app import build_app
     from server.http_protocol import JSONErrorH11Protocol  # uvicorn's own 400s in OpenAI's error shape

@@ -21,12 +21,12 @@ import os
 import time
 
 from engine.core import check_request
-from engine.loader import resolve_model
-from engine.outputs import CoreOutput
 from engine.distributed.layout import check_layout
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.frontend.replica import replica_main
 from engine.frontend.router import Router
+from engine.loader import resolve_model
+from engine.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
 

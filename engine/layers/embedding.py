@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from engine.distributed.state import tp_all_gather_last_dim, tp_all_reduce, tp_state
+from engine.layers.context import get_forward_context
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,5 +39,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight = None  # set by engine.layers.linear.pack_weights
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather_last_dim(kernels.linear(hidden, self.weight, None, self.packed_weight))
+        local = get_forward_context().backend.linear(hidden, self.weight, None, self.packed_weight)
+        logits = tp_all_gather_last_dim(local)
         return logits[..., : self.vocab_size]

@@ -3,15 +3,17 @@ rank's shard of a checkpoint tensor, so the loader never needs to know about sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-import kernels
 from engine.distributed.state import tp_all_reduce, tp_state
+from engine.layers.context import get_forward_context
 
 
-def pack_weights(model: nn.Module, backend: str) -> None:
-    """Give every matmul weight of the model the backend's packed copy (kernels.pack_linear_weight),
+def pack_weights(model: nn.Module, pack_linear_weight: Callable) -> None:
+    """Give every matmul weight of the model its packed copy (the backend's pack_linear_weight),
     once the checkpoint is loaded, and free the plain copy where nothing else reads it (a tied LM
     head shares its weight with the embedding, which keeps it)."""
     unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
@@ -19,7 +21,7 @@ def pack_weights(model: nn.Module, backend: str) -> None:
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
-        module.packed_weight = kernels.pack_linear_weight(module.weight, backend)
+        module.packed_weight = pack_linear_weight(module.weight)
         if module.packed_weight is not None and id(module.weight) not in unpacked_users:
             module.weight.data = module.weight.data.new_empty(0)
 
@@ -61,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
+        return get_forward_context().backend.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -131,5 +133,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(kernels.linear(x, self.weight, None, self.packed_weight))
+        y = tp_all_reduce(get_forward_context().backend.linear(x, self.weight, None, self.packed_weight))
         return y + self.bias if self.bias is not None else y

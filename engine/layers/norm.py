@@ -1,11 +1,11 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (kernels.rms_norm)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (the backend's rms_norm)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-import kernels
+from engine.layers.context import get_forward_context
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +14,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: str = "torch"):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        return kernels.rms_norm(x, self.weight, self.eps, residual, backend=backend)
+        return get_forward_context().backend.rms_norm(x, self.weight, self.eps, residual)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.layers.attention import AttentionMetadata, PagedAttention
+from engine.layers.attention import PagedAttention
+from engine.layers.context import get_forward_context
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
@@ -41,8 +41,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         # q and k sit side by side in each row: rotate them as one [T, heads, D] view, one pass.
@@ -50,9 +49,10 @@ class Attention(nn.Module):
         v = qkv[:, heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q, backend=meta.backend), self.k_norm(k, backend=meta.backend)], dim=1)
-        q, k = kernels.apply_rotary(qk, *rope, backend=meta.backend).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k, v, meta)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = get_forward_context().backend.apply_rotary(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        o = self.attn(q, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -66,8 +66,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
                                            bias=bool(getattr(cfg, "mlp_bias", False)))
 
-    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), backend=backend))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(get_forward_context().backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -78,20 +78,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, x, residual, meta):
+    def forward(self, rope, x, residual):
         if residual is None:
-            residual, x = x, self.input_layernorm(x, backend=meta.backend)
+            residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual, backend=meta.backend)
-        x = self.self_attn(rope, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual, backend=meta.backend)
-        return self.mlp(x, meta.backend), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     """The decoder layers of one pipeline stage (a single process is the one stage owning all).
     The first stage embeds the tokens, the others receive the previous stage's hidden states and
-    residual stream; the last stage keeps the final norm, the others send their output on."""
+    residual stream; the last stage keeps the final norm, the others send their output on.
+    Runs inside a forward context (engine/layers/context.py): the step's attention metadata and
+    the kernel backend reach every layer through it."""
 
     def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
         super().__init__()
@@ -105,14 +107,14 @@ class LlamaModel(nn.Module):
         theta, scaling = rope_settings(cfg)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, theta, scaling)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
         rope = self.rotary(positions, self.dtype)  # not norm.weight's: only the last stage has the norm
         for layer in self.layers.values():
-            hidden, residual = layer(rope, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual)
         if self.norm is None:
             send_activations(hidden, residual)
         return hidden, residual
@@ -138,15 +140,15 @@ class LlamaForCausalLM(nn.Module):
             # A last stage without the embeddings keeps its own copy as the head (loaded from them).
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta):
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions)
 
-    def final_hidden(self, hidden, residual, backend: str = "torch"):
+    def final_hidden(self, hidden, residual):
         """The last layer's output after the final norm (hidden states fed to the LM head).
         Before the last pipeline stage there is no norm: the hidden states pass through."""
         if self.model.norm is None:
             return hidden
-        hidden, _ = self.model.norm(hidden, residual, backend=backend)
+        hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

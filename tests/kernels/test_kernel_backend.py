@@ -1,4 +1,4 @@
-"""Backend resolution and dispatch in kernels/__init__.py."""
+"""Backend resolution and the Backend objects in kernels/__init__.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import resolve_backend
+from kernels import reference, resolve_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +53,33 @@ def test_unknown_names_are_refused():
         kernels.copy_blocks(torch.zeros(1), torch.zeros(1), torch.zeros(0), torch.zeros(0), backend="auto")
 
 
+def test_one_backend_object_per_name():
+    for name in ("torch", "cpu"):
+        ops = kernels.get_backend(name)
+        assert ops is kernels.get_backend(name) and ops.name == name
+    with pytest.raises(ValueError, match="resolve_backend"):
+        kernels.get_backend("auto")
+
+
+def test_the_torch_backend_is_the_reference():
+    ops = kernels.get_backend("torch")
+    for op in ("write_kv", "paged_attention", "plan_attention", "copy_blocks", "rms_norm", "apply_rotary",
+               "silu_and_mul"):
+        assert getattr(ops, op) is getattr(reference, op), op
+    w = torch.randn(8, 4)
+    assert ops.pack_linear_weight(w) is None
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+
+
+def test_the_triton_backend_object(triton_ops):
+    ops = kernels.get_backend("triton")
+    assert ops.name == "triton" and ops.write_kv is triton_ops.write_kv
+    k, v = ops.allocate_kv_cache(2, 16, 1, 8, torch.float32, "cpu")
+    assert k.is_contiguous() and v.is_contiguous() and k.shape == (2, 16, 1, 8)
+    assert ops.plan_attention(None, None, None, 16) is None and ops.pack_linear_weight(torch.zeros(2, 2)) is None
+
+
 def test_compiled_kernels_refuse_cpu_tensors(triton_ops, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-without-interpreter error")
@@ -64,7 +91,8 @@ def test_compiled_kernels_refuse_cpu_tensors(triton_ops, monkeypatch):
 
 
 def test_import_kernels_does_not_import_triton():
-    code = "import sys, kernels; assert 'triton' not in sys.modules, 'import kernels pulled in triton'"
+    code = ("import sys, kernels; kernels.get_backend('torch'); kernels.get_backend('cpu'); "
+            "assert 'triton' not in sys.modules, 'import kernels pulled in triton'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
