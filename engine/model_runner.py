@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.host_memory import keep_freed_memory
+from engine.host_memory import bound_onednn_plan_cache, keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
@@ -73,6 +73,7 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if self.device.type == "cpu":
             keep_freed_memory()
+            bound_onednn_plan_cache(config.cpu_matmul_plan_cache)
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         # The kernels, chosen once: the backend's name (for reports) and its ops, which every layer
@@ -151,6 +152,13 @@ class ModelRunner:
             shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache, attn.v_cache = self.backend.allocate_kv_cache(*shape, self.kv_dtype, self.device)
             self.kv_caches += [attn.k_cache, attn.v_cache]
+        if self.device.type == "cpu":
+            # A zeroed CPU tensor is calloc'ed: its pages are mapped only when first written, and
+            # the block pool hands out the least recently freed block first, so the process would
+            # grow toward its KV budget for as long as it serves. Touch every page now: memory
+            # is committed (or refused) at start, and RSS afterwards says what serving costs.
+            for cache in self.kv_caches:
+                cache.zero_()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
