@@ -81,9 +81,6 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
                                            "auto picks by device")
-    cpu_matmul_plan_cache: int = _knob(64, "CPU: oneDNN matmul plans kept (one per distinct batch shape); "
-                                           "oneDNN's own default, 1024, lets a server grow by hundreds of MB as "
-                                           "new batch sizes appear, for no speed measured here")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads (default: torch's own, one per core)")
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
@@ -133,7 +130,6 @@ class EngineConfig:
         check(self.max_waiting_requests is None or self.max_waiting_requests >= 0,
               "max_waiting_requests", "None or >= 0")
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
-        check(self.cpu_matmul_plan_cache >= 1, "cpu_matmul_plan_cache", ">= 1")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):

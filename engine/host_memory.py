@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -45,16 +44,3 @@ def keep_freed_memory() -> bool:
     _done = ok
     return ok
 
-
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-
-
-def bound_onednn_plan_cache(capacity: int) -> None:
-    """oneDNN keeps a compiled primitive per matmul shape it has seen (up to 1024 by default), each
-    with its own buffers; a server's steps come in every batch size, so its RSS grew ~40 MiB a
-    minute for ten minutes (loadtest.soak). oneDNN reads this one setting from its environment
-    variable, once, when it first builds a primitive: set it before the weights are packed. The
-    only environment the engine writes, and only for oneDNN, never over the user's own value."""
-    if os.environ.setdefault(ONEDNN_CACHE_ENV, str(capacity)) != str(capacity):
-        logger.info("%s=%s from the environment wins over cpu_matmul_plan_cache=%d", ONEDNN_CACHE_ENV,
-                    os.environ[ONEDNN_CACHE_ENV], capacity)

@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.host_memory import bound_onednn_plan_cache, keep_freed_memory
+from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
@@ -73,7 +73,6 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if self.device.type == "cpu":
             keep_freed_memory()
-            bound_onednn_plan_cache(config.cpu_matmul_plan_cache)
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         # The kernels, chosen once: the backend's name (for reports) and its ops, which every layer
@@ -193,6 +192,12 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sample_reqs.append(req)
+        # Padding rows (the backend's choice; CPU bounds its matmul shapes) compute on token 0 at
+        # position 0, store nothing (slot -1) and are never read back.
+        pad = self.backend.padded_num_tokens(len(ids)) - len(ids)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
         dev = self.device
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(

@@ -103,6 +103,7 @@ class Backend:
     silu_and_mul: Callable  # (x) -> silu(gate) * up
     pack_linear_weight: Callable  # (weight) -> packed copy or None
     linear: Callable  # (x, weight, bias=None, packed=None) -> x @ weight.T + bias
+    padded_num_tokens: Callable  # (n) -> rows to run a step of n tokens as; the rows past n are padding
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -113,6 +114,10 @@ def _no_packing(weight):
     return None
 
 
+def _no_padding(num_tokens):
+    return num_tokens
+
+
 def _torch_backend() -> Backend:
     def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -120,7 +125,7 @@ def _torch_backend() -> Backend:
 
     r = reference
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
-                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear)
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding)
 
 
 def _cpu_backend() -> Backend:
@@ -130,7 +135,7 @@ def _cpu_backend() -> Backend:
         return c.linear(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
 
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
-                   c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear)
+                   c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens)
 
 
 def _triton_backend() -> Backend:
@@ -150,7 +155,7 @@ def _triton_backend() -> Backend:
 
     r = reference
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
-                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear)
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}

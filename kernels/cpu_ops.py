@@ -67,12 +67,16 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                     plan: RowPlan | None = None) -> torch.Tensor:
+    """Rows of `query` past the step's last sequence are padding (padded_num_tokens): zeros out."""
     k, v = _physical(k_cache, v_cache)
-    if query.dtype != k.dtype:  # a kv_cache_dtype unlike the model's: the reference converts
-        return reference.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
+    rows = plan.row_seq.numel()
+    if query.dtype != k.dtype:  # a kv_cache_dtype unlike the model's: the reference converts
+        out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale)
+    out[rows:].zero_()
     return out
 
 
@@ -87,6 +91,20 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     except (AttributeError, RuntimeError) as e:
         logger.warning("oneDNN weight packing unavailable (%s); matmuls use F.linear", e)
         return None
+
+
+def padded_num_tokens(n: int) -> int:
+    """The rows to run a step of n tokens as: n up to 16, above that n rounded up to one of eight
+    sizes per power of two (at most 1/8 more rows; 88 sizes up to 8,192). oneDNN keeps state for
+    every matmul shape it has run, outside its bounded plan cache: measured, one 576 x 1536 bf16
+    weight grew RSS by 0.23 MiB per new row count (792 MiB over 3,500 counts) and by nothing
+    once the counts came from a fixed set. A server's steps come in every token count, so
+    unpadded it grew for as long as it served (BENCHMARKS.md, "Memory over a 10-minute soak").
+    Padding the step once, at its input, costs less than padding each matmul (a copy each)."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -36,8 +36,9 @@ def run(b) -> None:
     want = reference.paged_attention(*b.args())
     b = to_cpu_layout(b)
     out = kernels.paged_attention(*b.args(), backend="cpu")
-    # The cpu backend allocates its output: rows past the last sequence hold whatever that memory
-    # held, and nothing reads them (check_attention wants them NaN, as for a caller's buffer).
+    # Rows past the last sequence are a padded step's padding rows: zeros, whatever the memory
+    # held (check_attention then wants them NaN, as for a caller's buffer).
+    assert bool((out[b.num_tokens:] == 0).all())
     out[b.num_tokens:] = float("nan")
     check_attention(out, b, want)
 
@@ -224,5 +225,18 @@ def test_cache_dtype_unlike_the_query_takes_the_reference_path():
     want = reference.paged_attention(*b.args())
     b = to_cpu_layout(b)
     got = kernels.paged_attention(*b.args(), backend="cpu")
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got[:b.num_tokens], want[:b.num_tokens])
+    assert bool((got[b.num_tokens:] == 0).all())
+
+
+def test_padded_step_sizes_are_few_and_close():
+    # What bounds oneDNN's per-shape state: every step of 1..8192 tokens runs as one of 88 row
+    # counts, never fewer rows than tokens and at most 1/8 more; small (decode) steps unpadded.
+    from kernels.cpu_ops import padded_num_tokens
+
+    sizes = [padded_num_tokens(n) for n in range(1, 8193)]
+    assert len(set(sizes)) == 88
+    assert all(n <= p <= n + n // 8 for n, p in enumerate(sizes, 1))
+    assert sizes[:16] == list(range(1, 17)) and sizes == sorted(sizes)
+    assert all(padded_num_tokens(p) == p for p in set(sizes))  # a padded size is its own size
