@@ -1,4 +1,5 @@
-"""EngineCore.step(): schedule -> execute -> sample -> update. Not thread-safe: one thread drives it.
+"""EngineCore.step(): schedule -> execute (forward and sampling, in the runner) -> update. Not
+thread-safe: one thread drives it.
 
 A step emits CoreOutputs: per choice, the token it got and whether it ended (EOS, a stop token
 id, max_tokens, the context window). Text is the front end's (engine/output_processor.py): it
@@ -15,9 +16,9 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import resolve_model
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
-from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,6 @@ class EngineCore:
                 f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
         self.scheduler = Scheduler(config, KVCacheManager(self.runner.num_blocks, config.block_size,
                                                           config.enable_prefix_caching), self.max_model_len)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, self.runner.device)
         self.parents: dict[str, ParentRequest] = {}
         self._pending: list[CoreOutput] = []  # aborts, failures and stops, handed out by the next step
         self.prompt_tokens_total = 0
@@ -133,14 +133,17 @@ class EngineCore:
                 s.finish_reason = reason
                 self.scheduler.finish(s)
 
-    def _fail(self, parent: ParentRequest, error: BaseException) -> None:
+    def _fail(self, parent: ParentRequest, error: BaseException | str) -> None:
         """One request's step data raised: end that request alone, with an error output."""
-        logger.error("request %s failed; the engine goes on", parent.request_id, exc_info=error)
+        if isinstance(error, BaseException):
+            logger.error("request %s failed; the engine goes on", parent.request_id, exc_info=error)
+            error = type(error).__name__
+        else:
+            logger.error("request %s failed in the runner (%s); the engine goes on", parent.request_id, error)
         self.parents.pop(parent.request_id, None)
         self._end(parent, "abort")
         self._pending.append(CoreOutput(parent.request_id, 0, finish_reason="abort", request_finished=True,
-                                        error=f"internal error while processing the request "
-                                              f"({type(error).__name__})"))
+                                        error=f"internal error while processing the request ({error})"))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents) or bool(self._pending)
@@ -149,32 +152,32 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """One forward for the scheduled batch. Only the forward may raise out of here: anything
-        that fails on one request's data afterwards (sampling, stops, output) fails that request."""
+        that fails on one request's data (sampling and prompt logprobs in the runner, stops and
+        output here) fails that request."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_work():
             return outputs
         batch = self.scheduler.schedule()
+        for child in self.scheduler.forked:  # n > 1: the choices forked as the prompt completes
+            self.parents[child.request_id].choices[child.index] = child
         if not batch:
             return outputs
-        logits = self.runner.execute_model(batch)
-        self.scheduler.update_computed(batch)
-        for req, first_token, rows in logits.prompt_logits:
-            self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, rows)
-        rows, reqs = [], []
-        for i, req in enumerate(logits.sample_reqs):
-            if req.request_id not in self.parents:
-                continue  # failed above
-            rows.append(i)
-            reqs.append(req)
-            if not req.forked:
-                for child in self._guarded(req.request_id, self._fork, req) or ():
-                    rows.append(i)
-                    reqs.append(child)
-        for req, result in self._sample(logits.sample_logits, rows, reqs):
+        result = self.runner.execute_model(batch)
+        self.scheduler.update_computed()
+        streams = self.scheduler.step_streams
+        for key, error in result.failed:
+            parent = self.parents.get(streams[key].request_id)
+            if parent is not None:
+                self._fail(parent, error)
+        for key, first_token, entries in result.prompt_logprobs:
+            req = streams[key]
+            self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, entries)
+        for key, token in result.sampled:
+            req = streams[key]
             parent = self.parents.get(req.request_id)
             if parent is None:
-                continue  # failed while sampling or on an earlier choice
-            out = self._guarded(req.request_id, self._append_token, parent, req, result)
+                continue  # failed in the runner, or on an earlier choice
+            out = self._guarded(req.request_id, self._append_token, parent, req, token)
             if out is not _FAILED:
                 outputs.append(out)
         return outputs + self._take_pending()
@@ -193,41 +196,7 @@ class EngineCore:
         pending, self._pending = self._pending, []
         return pending
 
-    def _sample(self, logits, rows: list[int], reqs: list[Request]) -> list[tuple[Request, SampleResult]]:
-        """Sample all rows at once; if the batch raises, sample each request alone, so that only
-        the request whose data makes it raise is failed."""
-        if not reqs:
-            return []
-        batch_logits = logits if rows == list(range(len(rows))) else logits[rows]
-        try:
-            return list(zip(reqs, self.sampler(batch_logits, reqs)))
-        except Exception:
-            logger.warning("batched sampling raised; sampling each request alone to find the one at fault")
-        results = []
-        for i, req in enumerate(reqs):
-            if req.request_id not in self.parents:
-                continue
-            result = self._guarded(req.request_id, self.sampler, batch_logits[i:i + 1], [req])
-            if result is not _FAILED:
-                results.append((req, result[0]))
-        return results
-
-    def _fork(self, first: Request) -> list[Request]:
-        """The first choice's prompt is done: its n - 1 siblings share its blocks from here on."""
-        first.forked = True
-        parent = self.parents[first.request_id]
-        children = []
-        for i in range(1, first.sampling_params.n):
-            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
-            child.forked = True
-            parent.choices[i] = child
-            copies = self.scheduler.fork(first, child)
-            if copies is not None:  # else no block was free: this choice recomputes its prompt later
-                self.runner.copy_blocks(copies)
-                children.append(child)
-        return children
-
-    def _append_token(self, parent: ParentRequest, req: Request, result: SampleResult) -> CoreOutput:
+    def _append_token(self, parent: ParentRequest, req: Request, result: SampledToken) -> CoreOutput:
         tok = result.token_id
         if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
             self.prompt_tokens_total += req.num_prompt_tokens
@@ -255,20 +224,10 @@ class EngineCore:
             del self.parents[req.request_id]
         return out
 
-    def _record_prompt_logprobs(self, req: Request, first_token: int, rows) -> None:
-        import torch
-
-        n_top = req.sampling_params.prompt_logprobs
-        lp = torch.log_softmax(rows, dim=-1)
-        targets = req.prompt_token_ids[first_token:first_token + lp.shape[0]]
-        skip = len(req.prompt_logprobs) - first_token  # rows already scored before a preemption
-        for row, tok in list(zip(lp, targets))[skip:]:
-            entry = {}
-            if n_top:
-                vals, ids = torch.topk(row, n_top)
-                entry = dict(zip(ids.tolist(), vals.tolist()))
-            entry[tok] = float(row[tok])
-            req.prompt_logprobs.append(entry)
+    @staticmethod
+    def _record_prompt_logprobs(req: Request, first_token: int, entries: list[dict[int, float]]) -> None:
+        skip = len(req.prompt_logprobs) - first_token  # entries already recorded before a preemption
+        req.prompt_logprobs += entries[max(skip, 0):]
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 

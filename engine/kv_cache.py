@@ -153,11 +153,12 @@ class KVCacheManager:
         request.block_ids = []
         request.block_hashes = []
 
-    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
-        """Give `child` the parent's blocks. Full blocks are shared by reference; a partial last
-        block is copied (copy-on-write up front): the (src, dst) pairs returned are for the model
-        runner to copy. Returns None, changing nothing, if no block is free for the copy."""
-        partial = parent.num_computed_tokens % self.block_size != 0
+    def fork(self, parent: Request, child: Request, num_computed: int) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's blocks as they stand once `num_computed` of its tokens are
+        in the cache. Full blocks are shared by reference; a partial last block is copied
+        (copy-on-write up front): the (src, dst) pairs returned are for the model runner to copy.
+        Returns None, changing nothing, if no block is free for the copy."""
+        partial = num_computed % self.block_size != 0
         if partial and self.pool.num_free == 0:
             return None
         shared = parent.block_ids[:-1] if partial else list(parent.block_ids)
@@ -165,7 +166,7 @@ class KVCacheManager:
             self.pool.touch(b)
         child.block_ids = shared
         child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = num_computed
         if not partial:
             return []
         dst = self.pool.allocate()

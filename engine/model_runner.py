@@ -1,13 +1,14 @@
-"""ModelRunner: owns the weights and the KV cache tensors, turns a scheduled batch into flat
-tensors, runs one forward pass over it, and returns the logits to sample from."""
+"""ModelRunner: owns the weights, the KV cache tensors and its copy of every running stream;
+applies each step's SchedulerOutput to those copies, turns the batch into flat tensors, runs one
+forward pass, samples the whole batch at once and returns token ids (and the logprobs asked for),
+never logits. Under pipeline parallelism only the last stage computes logits and samples (its TP
+rank 0); the other ranks run their share of the forward and return None."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass, field
-
 import torch
 
 import kernels
@@ -19,9 +20,10 @@ from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
 from engine.distributed.state import min_over_ranks, pp_state, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens
-from engine.request import Request
+from engine.request import TokenSequence
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -54,20 +56,28 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-@dataclass
-class StepLogits:
-    """Logits of one step: one row per stream that reached the end of its known tokens
-    (sample from these), plus, for requests that asked for prompt logprobs, a row per prompt
-    position of this chunk: (request, index of the first prompt token they score, rows)."""
+class CachedRequestState(TokenSequence):
+    """The runner's copy of one stream: what its forwards read, plus what the sampler keeps for
+    it (a seeded choice's generator, its penalty counts). Kept from the step that sends it
+    (NewRequestData) until the step that names it finished, preemptions included, so that a
+    seeded stream's draws go on where they stopped."""
 
-    sample_reqs: list[Request]
-    sample_logits: torch.Tensor | None
-    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    def __init__(self, new: NewRequestData):
+        self.req_id = new.req_id
+        self.index = new.index
+        self.prompt_token_ids = new.prompt_token_ids
+        self.output_token_ids = list(new.output_token_ids)
+        self.sampling_params = new.sampling_params
+        self.block_ids = list(new.block_ids)
+        self.num_computed_tokens = new.num_computed_tokens
+        self.generator: torch.Generator | None = None
+        self.penalty_state = None
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource):
         self.config = config
+        self.requests: dict[str, CachedRequestState] = {}
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
@@ -98,6 +108,10 @@ class ModelRunner:
         load_weights(self.model, checkpoint_tensors(source))
         pack_weights(self.model, self.backend.pack_linear_weight)
         self.model.eval()
+        # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
+        self.last_stage = pp_state().rank == pp_state().size - 1
+        self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device)
+                        if self.last_stage and tp_state().rank == 0 else None)
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
@@ -134,10 +148,10 @@ class ModelRunner:
         self._allocate_kv_cache()
         scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         torch.cuda.reset_peak_memory_stats(self.device)
-        req = Request("profile", [0] * n, SamplingParams(max_tokens=1))
-        req.block_ids = list(range(self.num_blocks))
-        batch = SchedulerOutput(scheduled=[(req, n)])
-        self.execute_model(batch)
+        profile = NewRequestData("profile#0", 0, [0] * n, [], SamplingParams(max_tokens=1),
+                                 list(range(self.num_blocks)), 0)
+        self.execute_model(SchedulerOutput(new_reqs=[profile], num_scheduled_tokens=[("profile#0", n)]))
+        self.requests.clear()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch
         self.kv_caches = []
@@ -170,28 +184,53 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Bring the runner's copies of the streams to where the scheduler has them."""
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_reqs:
+            self.requests[new.req_id] = CachedRequestState(new)
+        for c in sched.cached_reqs:
+            state = self.requests[c.req_id]
+            state.output_token_ids += c.new_token_ids
+            if c.resumed:
+                state.block_ids = list(c.new_block_ids)
+            else:
+                state.block_ids += c.new_block_ids
+            state.num_computed_tokens = c.num_computed_tokens
+        for _, child in sched.forks:
+            self.requests[child.req_id] = CachedRequestState(child)
+
     @torch.inference_mode()
-    def execute_model(self, batch: SchedulerOutput) -> StepLogits:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's changes, run its forward, sample; then make the forks' block copies
+        (they read blocks this forward wrote). None on a rank that does not sample."""
+        self.update_states(sched)
         bs = self.block_size
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
         query_start = [0]
-        sample_rows, sample_reqs, prompt_rows = [], [], []
-        for req, n in batch.scheduled:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            ids += req.token_ids_slice(start, end)
+        sample_rows, sample_streams, prompt_rows = [], [], []
+        children: dict[str, list[CachedRequestState]] = {}
+        for parent, child in sched.forks:
+            children.setdefault(parent, []).append(self.requests[child.req_id])
+        for req_id, n in sched.num_scheduled_tokens:
+            state = self.requests[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            ids += state.token_ids_slice(start, end)
             positions += range(start, end)
-            blocks = req.block_ids
+            blocks = state.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Row p scores prompt token p + 1.
-                last = min(end, req.num_prompt_tokens - 1)
-                prompt_rows.append((req, start + 1, query_start[-2], query_start[-2] + last - start))
-            if end == req.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
-                sample_reqs.append(req)
+                last = min(end, state.num_prompt_tokens - 1)
+                prompt_rows.append((state, start + 1, query_start[-2], query_start[-2] + last - start))
+            if end == state.num_tokens:
+                for s in [state, *children.get(req_id, ())]:  # an n > 1 prompt's choices share its row
+                    sample_rows.append(query_start[-1] - 1)
+                    sample_streams.append(s)
         # Padding rows (the backend's choice; CPU bounds its matmul shapes) compute on token 0 at
         # position 0, store nothing (slot -1) and are never read back.
         pad = self.backend.padded_num_tokens(len(ids)) - len(ids)
@@ -209,12 +248,63 @@ class ModelRunner:
         meta.plan = self.backend.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, bs)
         with forward_context(meta, self.backend):
             hidden, residual = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
-            out = StepLogits(sample_reqs, None)
-            if sample_rows:
-                rows = torch.tensor(sample_rows, device=dev)
-                h = self.model.final_hidden(hidden[rows], residual[rows])
-                out.sample_logits = self.model.compute_logits(h)
-            for req, first_token, a, b in prompt_rows:
-                h = self.model.final_hidden(hidden[a:b], residual[a:b])
-                out.prompt_logits.append((req, first_token, self.model.compute_logits(h).float()))
+            out = None
+            if self.last_stage:
+                logits = None
+                if sample_rows:
+                    rows = torch.tensor(sample_rows, device=dev)
+                    logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
+                prompt_logits = [(state, first, self.model.compute_logits(
+                    self.model.final_hidden(hidden[a:b], residual[a:b])).float()) for state, first, a, b in prompt_rows]
+                if self.sampler is not None:
+                    out = ModelRunnerOutput()
+                    for state, first, rows in prompt_logits:
+                        try:
+                            self._prompt_logprobs(out, state, first, rows)
+                        except Exception as e:
+                            self._failed(out, state, e)
+                    if sample_streams:
+                        self._sample(out, logits, sample_streams)
+        self.copy_blocks(sched.block_copies)
         return out
+
+    @staticmethod
+    def _failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
+        """This stream's own data made the runner raise: report it (the core fails its request alone)."""
+        logger.warning("stream %s failed in the runner: %r", state.req_id, error)
+        out.failed.append((state.req_id, type(error).__name__))
+
+    def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
+        """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
+        stream whose own data makes it raise is failed."""
+        failed = {req_id for req_id, _ in out.failed}
+        keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
+        if len(keep) < len(streams):
+            logits, streams = logits[keep], [streams[i] for i in keep]
+        try:
+            out.sampled += zip((s.req_id for s in streams), self.sampler(logits, streams))
+            return
+        except Exception:
+            logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
+        for i, state in enumerate(streams):
+            try:
+                out.sampled.append((state.req_id, self.sampler(logits[i:i + 1], [state])[0]))
+            except Exception as e:
+                self._failed(out, state, e)
+
+    @staticmethod
+    def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
+                         rows: torch.Tensor) -> None:
+        """Entries for the prompt tokens these rows score: the token's logprob, plus the top
+        prompt_logprobs of the row."""
+        n_top = state.sampling_params.prompt_logprobs
+        lp = torch.log_softmax(rows, dim=-1)
+        targets = state.prompt_token_ids[first_token:first_token + lp.shape[0]]
+        chosen = lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        entries = [{} for _ in targets]
+        if n_top:
+            vals, top_ids = (x.tolist() for x in torch.topk(lp, n_top, dim=-1))
+            entries = [dict(zip(i, v)) for i, v in zip(top_ids, vals)]
+        for entry, tok, value in zip(entries, targets, chosen):
+            entry[tok] = value
+        out.prompt_logprobs.append((state.req_id, first_token, entries))

@@ -17,7 +17,33 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Request:
+class TokenSequence:
+    """Prompt plus output tokens, read by position: the scheduler's Request and the runner's copy
+    of a stream (engine.model_runner.CachedRequestState) both are one."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list (a decode step
+        reads one token: O(1), however long the output)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+
+class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  index: int = 0, arrival_time: float | None = None):
         self.request_id = request_id
@@ -36,8 +62,10 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.forked = sampling_params.n == 1  # n > 1: the parent forks its choices once its prompt is done
-        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
-        self.penalty_state = None  # the sampler's token counts, for requests with penalties
+        # What the runner holds of this stream (the scheduler sends only what changed):
+        self.num_sent_tokens = 0  # of prompt + output; 0: the runner does not know the stream
+        self.num_sent_blocks = 0  # of block_ids
+        self.resumed = False  # preempted since last sent: the runner's block table is stale
 
     @property
     def key(self) -> str:
@@ -45,26 +73,8 @@ class Request:
         return f"{self.request_id}#{self.index}"
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the whole list (a decode step
-        reads one token: O(1), however long the output)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:

@@ -10,18 +10,24 @@ seeded request samples the same whatever else is in the batch), and to hand resu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SampledToken
 
 
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float] | None  # top-N plus the chosen token, when asked for
+class Stream(Protocol):
+    """What the sampler reads of a stream (the runner's per-stream state), and the two things it
+    keeps there: the stream's seeded generator and its penalty counts."""
+
+    index: int
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    penalty_state: PenaltyState | None
 
 
 class PenaltyState:
@@ -30,7 +36,7 @@ class PenaltyState:
     (prompt or output: the repetition penalty) and the OpenAI term
     frequency * count_in_output + presence * (count > 0) to subtract."""
 
-    def __init__(self, req: Request, vocab_size: int, device: torch.device):
+    def __init__(self, req: Stream, vocab_size: int, device: torch.device):
         p = req.sampling_params
         self.frequency, self.presence = p.frequency_penalty, p.presence_penalty
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
@@ -121,7 +127,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: Stream) -> torch.Generator:
         if req.generator is None:
             # Each choice of an n > 1 request gets its own stream: seed + index. A 64-bit signed
             # seed (SamplingParams checks it) plus an index < MAX_N stays inside the
@@ -129,7 +135,7 @@ class Sampler:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling_params.seed + req.index)
         return req.generator
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Stream]) -> list[SampledToken]:
         params = [r.sampling_params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in params)
         penalised = [i for i, p in enumerate(params)
@@ -156,7 +162,7 @@ class Sampler:
             state.add(token_ids[i])
         return self._results(token_ids, reqs, raw_logprobs)
 
-    def _penalise(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> dict[int, PenaltyState]:
+    def _penalise(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> dict[int, PenaltyState]:
         states = {}
         for i in rows:
             req = reqs[i]
@@ -173,7 +179,7 @@ class Sampler:
         logits[index] = block
         return states
 
-    def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
         """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""
         pairs = [(i, t) for i in rows for t in reqs[i].sampling_params.stop_token_ids
                  + ([] if reqs[i].sampling_params.ignore_eos else self.eos_token_ids)]
@@ -181,7 +187,7 @@ class Sampler:
             r, c = zip(*pairs)
             logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
         device = logits.device
         params = [r.sampling_params for r in reqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -204,9 +210,9 @@ class Sampler:
         return (probs / noise.log_().neg_()).argmax(dim=-1)
 
     @staticmethod
-    def _results(token_ids: list[int], reqs: list[Request], raw_logprobs: torch.Tensor | None) -> list[SampleResult]:
+    def _results(token_ids: list[int], reqs: list[Stream], raw_logprobs: torch.Tensor | None) -> list[SampledToken]:
         if raw_logprobs is None:
-            return [SampleResult(t, 0.0, None) for t in token_ids]
+            return [SampledToken(t, 0.0, None) for t in token_ids]
         n_tops = [r.sampling_params.logprobs for r in reqs]
         widest = max(n or 0 for n in n_tops)
         top_vals = top_ids = None
@@ -216,9 +222,9 @@ class Sampler:
         results = []
         for i, (tok, n_top) in enumerate(zip(token_ids, n_tops)):
             if n_top is None:
-                results.append(SampleResult(tok, 0.0, None))
+                results.append(SampledToken(tok, 0.0, None))
                 continue
             top = dict(zip(top_ids[i][:n_top], top_vals[i][:n_top])) if n_top else {}
             top[tok] = chosen[i]
-            results.append(SampleResult(tok, chosen[i], top))
+            results.append(SampledToken(tok, chosen[i], top))
         return results

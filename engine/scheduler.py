@@ -3,7 +3,10 @@ then waiting prompts, chunked to fit the budget; preempts the newest request whe
 
 It owns the KV cache manager: it allocates a request's blocks when it schedules it, hashes the
 blocks a step filled, forks the prompt's blocks to an n > 1 request's other choices, and frees
-a request's blocks when it is preempted or ends. Nothing else changes block ownership."""
+a request's blocks when it is preempted or ends. Nothing else changes block ownership.
+
+Its output is plain data (engine/scheduler_output.py): a stream goes to the runner whole once,
+then only what changed; it tracks on each Request what the runner already holds."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -31,29 +34,45 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill steps that did not reach the end of the prompt
         self.num_scheduled_tokens = 0  # tokens run through the model, prefill and decode
+        # The step in progress (schedule() to update_computed()): what it runs, by stream key the
+        # streams it samples (forks included), and the choices it forked, for the core to adopt.
+        self.scheduled: list[tuple[Request, int]] = []
+        self.step_streams: dict[str, Request] = {}
+        self.forked: list[Request] = []
+        self._finished_ids: list[str] = []  # streams the runner still holds, to name in the next output
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self._enqueue(request, front=False)
 
-    def fork(self, first: Request, child: Request) -> list[tuple[int, int]] | None:
-        """Give `child` (another choice of `first`'s request) the prompt's blocks; it decodes from
-        the next step. Returns the (src, dst) block copies the runner must make (a partial last
-        block is copied up front), or None when no block was free for that copy: then the child
-        waits and recomputes its prompt."""
-        copies = self.kv.fork(first, child)
-        if copies is None:
-            self.add(child)
-            return None
-        child.status = RequestStatus.RUNNING
-        self.running.append(child)
-        return copies
+    def _fork(self, first: Request, num_computed: int, out: SchedulerOutput) -> None:
+        """`first`'s prompt completes in this step: give its other choices the prompt's blocks, to
+        sample from the same logits row now and decode from the next step. A partial last block
+        is copied after the forward; a choice that finds no block free for that copy waits and
+        recomputes its prompt."""
+        first.forked = True
+        for i in range(1, first.sampling_params.n):
+            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
+            child.forked = True
+            self.forked.append(child)
+            copies = self.kv.fork(first, child, num_computed)
+            if copies is None:
+                self.add(child)
+                continue
+            child.status = RequestStatus.RUNNING
+            child.num_sent_tokens, child.num_sent_blocks = child.num_tokens, len(child.block_ids)
+            out.forks.append((first.key, self._new_data(child)))
+            out.block_copies += copies
+            self.step_streams[child.key] = child
 
-    def update_computed(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens' K/V are in the cache; hash the blocks they filled."""
-        for req, n in out.scheduled:
+    def update_computed(self) -> None:
+        """After the forward: the scheduled tokens' K/V are in the cache; hash the blocks they
+        filled. Forked choices join the running ones (they decode from the next step)."""
+        for req, n in self.scheduled:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
+        self.running += [c for c in self.forked if c.status == RequestStatus.RUNNING]
+        self.scheduled, self.forked = [], []
 
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)
@@ -78,7 +97,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.scheduled, self.step_streams, self.forked = [], {}, []
         budget = self.token_budget
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -87,16 +108,15 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                self.scheduled.append((req, n))
                 budget -= n
                 i += 1
-        if out.preempted:  # blocks are short: admit nothing new this step
-            self._record_step(out)
-            return out
+        if preempted:  # blocks are short: admit nothing new this step
+            return self._finish_output(out)
         # An unforked parent in its prefill already holds the slots of its n choices.
         running_seqs = sum(self._seqs(r) for r in self.running)
         while budget > 0:
@@ -120,19 +140,41 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             running_seqs += self._seqs(req)
-            out.scheduled.append((req, n))
+            self.scheduled.append((req, n))
             budget -= n
-        self._record_step(out)
+        return self._finish_output(out)
+
+    def _finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Fill the step's plain output from self.scheduled: each stream whole if the runner does
+        not know it, else only what changed since it last went; then the forks."""
+        for req, n in self.scheduled:
+            if req.num_sent_tokens == 0:
+                out.new_reqs.append(self._new_data(req))
+            else:
+                out.cached_reqs.append(CachedRequestData(
+                    req.key, req.token_ids_slice(req.num_sent_tokens, req.num_tokens),
+                    req.block_ids[0 if req.resumed else req.num_sent_blocks:], req.num_computed_tokens, req.resumed))
+            req.num_sent_tokens, req.num_sent_blocks, req.resumed = req.num_tokens, len(req.block_ids), False
+            out.num_scheduled_tokens.append((req.key, n))
+            self.step_streams[req.key] = req
+            if not req.forked and req.num_computed_tokens + n == req.num_tokens:
+                self._fork(req, req.num_tokens, out)
+        if out:  # else nothing runs: the runner hears of the finished streams next time
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        self.num_scheduled_tokens += out.num_tokens
+        self.num_chunked_prefills += sum(1 for r, n in self.scheduled if r.num_computed_tokens + n < r.num_tokens)
         return out
 
-    def _record_step(self, out: SchedulerOutput) -> None:
-        self.num_scheduled_tokens += out.num_tokens
-        self.num_chunked_prefills += sum(1 for r, n in out.scheduled if r.num_computed_tokens + n < r.num_tokens)
+    @staticmethod
+    def _new_data(req: Request) -> NewRequestData:
+        return NewRequestData(req.key, req.index, req.prompt_token_ids, list(req.output_token_ids),
+                              req.sampling_params, list(req.block_ids), req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Drop the request's KV and queue it first in line; it will recompute its tokens."""
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.resumed = req.num_sent_tokens > 0  # the runner keeps the stream (its generator) but not its blocks
         req.status = RequestStatus.PREEMPTED
         self._enqueue(req, front=True)
         self.num_preemptions += 1
@@ -148,3 +190,5 @@ class Scheduler:
             self.num_waiting_seqs -= self._seqs(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.key)

@@ -12,8 +12,9 @@ import time
 import torch
 
 import engine.sampler as new
-from engine.request import Request
+from engine.model_runner import CachedRequestState
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import NewRequestData
 
 spec = importlib.util.spec_from_file_location("old_sampler", "/tmp/old_sampler.py")
 old = importlib.util.module_from_spec(spec)
@@ -33,7 +34,9 @@ CASES = {
 for name, kw in CASES.items():
     ms = []
     for mod in (old, new):
-        reqs = [Request(str(i), list(range(100)), SamplingParams(**kw)) for i in range(B)]
+        # The runner's streams: what both samplers read (and keep their generators and counts on).
+        reqs = [CachedRequestState(NewRequestData(f"{i}#0", 0, list(range(100)), [], SamplingParams(**kw), [], 0))
+                for i in range(B)]
         for r in reqs:
             r.output_token_ids = list(range(200, 456))
         sampler = mod.Sampler([2], 0, torch.device("cpu"))

@@ -5,8 +5,8 @@
 One request generates --max-tokens tokens (greedy, EOS ignored, with logprobs and a stop string
 so that every per-token path runs). Each step is timed whole (scheduling, batch building,
 sampling, the core's bookkeeping, and the front end's output processing: detokenizing, stop
-strings, logprobs, the delta handed to a stream) and the runner's forward is timed inside it; the
-difference is the step's overhead. Medians over a window of steps around each mark are printed as
+strings, logprobs, the delta handed to a stream) and the model forward (layers and LM head) is
+timed inside it; the difference is the step's overhead. Medians over a window of steps around each mark are printed as
 JSON: work per step that grows with the output shows as a ratio above 1.
 """
 
@@ -24,15 +24,19 @@ def measure(llm, max_tokens: int, marks: list[int]) -> dict:
 
     core = llm.engine
     forward = [0.0]
-    run = core.runner.execute_model
+    model = core.runner.model  # the forward: the layers and the LM head; sampling counts as overhead
+    run = {name: getattr(model, name) for name in ("forward", "compute_logits")}
 
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = run(*args, **kwargs)
-        forward[0] += time.perf_counter() - start
-        return out
+    def timed(fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            forward[0] += time.perf_counter() - start
+            return out
+        return call
 
-    core.runner.execute_model = timed
+    for name, fn in run.items():
+        setattr(model, name, timed(fn))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
                             stop=["a stop string that never appears"])
     prompt = llm.tokenizer("Write a very long story about a lighthouse keeper.")["input_ids"]
@@ -46,7 +50,8 @@ def measure(llm, max_tokens: int, marks: list[int]) -> dict:
             llm._step()
             overhead_ms.append((time.perf_counter() - start - forward[0]) * 1e3)
     finally:
-        core.runner.execute_model = run
+        for name in run:
+            delattr(model, name)  # back to the class's methods
     at = {m: statistics.median(overhead_ms[max(0, m - WINDOW // 2): m + WINDOW // 2]) for m in marks}
     return {"max_tokens": max_tokens, "overhead_ms_at_token": at, "ratio_last_to_first": at[marks[-1]] / at[marks[0]]}
 

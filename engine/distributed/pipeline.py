@@ -1,4 +1,4 @@
-"""Pipeline stages: activations from stage to stage, logits from the last stage back to rank 0,
+"""Pipeline stages: activations from stage to stage, sampled tokens from the last stage back to rank 0,
 and the split of one scheduled batch into micro-batches so that the stages work at the same time.
 
 Within a step, stage s runs micro-batch k + 1 while stage s + 1 runs micro-batch k: with m
@@ -10,13 +10,14 @@ bubble is measured rather than assumed (`StageClock`).
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.distributed.state import pp_state
+from engine.distributed.state import pp_state, world_state
 
 
 @dataclass
@@ -24,7 +25,7 @@ class StageClock:
     """Where one rank's step time went: running the model, or blocked on the previous stage."""
 
     steps: int = 0
-    step_s: float = 0.0  # wall time of whole steps (rank 0: from broadcast to logits in hand)
+    step_s: float = 0.0  # wall time of whole steps (rank 0: from broadcast to sampled tokens in hand)
     compute_s: float = 0.0  # inside ModelRunner.execute_model
     recv_wait_s: float = 0.0  # of that, blocked receiving the previous stage's activations
 
@@ -69,34 +70,28 @@ def wait_sends() -> None:
         work.wait()
 
 
-def send_logits(out, dst: int) -> None:
-    """Last stage: the sampling rows, then any prompt-logprob rows, of one micro-batch."""
-    tensors = [out.sample_logits] if out.sample_logits is not None else []
-    if out.prompt_logits:
-        tensors.append(torch.cat([rows for _, _, rows in out.prompt_logits]))
-    for t in tensors:
-        t = t.contiguous()
-        _sends.append((dist.isend(t, dst=dst, group=pp_state().group), t))
+def send_output(output, dst: int) -> None:
+    """Last stage's sampling rank: one micro-batch's sampled tokens (a small object, not logits),
+    pickled, over the replica's CPU group, so that no device buffer waits on rank 0."""
+    data = torch.frombuffer(bytearray(pickle.dumps(output)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    group = world_state().cpu_group
+    for t in (size, data):
+        _sends.append((dist.isend(t, dst=dst, group=group), t))
 
 
-def recv_logits(out, src: int) -> None:
-    """Rank 0 (first stage): replace the shape-only logits its own pass produced with the last
-    stage's real ones. Both ran the same micro-batch, so they agree on which rows exist."""
-    group = pp_state().group
-    if out.sample_logits is not None:
-        buf = torch.empty(out.sample_logits.shape, dtype=out.sample_logits.dtype, device=out.sample_logits.device)
-        dist.recv(buf, src=src, group=group)
-        out.sample_logits = buf
-    if out.prompt_logits:
-        sizes = [rows.shape[0] for _, _, rows in out.prompt_logits]
-        first = out.prompt_logits[0][2]
-        buf = torch.empty(sum(sizes), first.shape[-1], dtype=torch.float32, device=first.device)
-        dist.recv(buf, src=src, group=group)
-        out.prompt_logits = [(req, tok, rows) for (req, tok, _), rows in zip(out.prompt_logits, buf.split(sizes))]
+def recv_output(src: int):
+    """Rank 0: what send_output sent, in the order it was sent."""
+    group = world_state().cpu_group
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def split_micro_batches(scheduled: list, m: int) -> list[list]:
-    """At most `m` contiguous slices of the scheduled (request, tokens) pairs with about equal
+    """At most `m` contiguous slices of the scheduled (stream, tokens) pairs with about equal
     token counts. A request is never split, so a lone long prefill chunk stays one micro-batch."""
     m = min(m, len(scheduled))
     if m <= 1:

@@ -1,12 +1,12 @@
 """Rank 0 of a TP x PP replica: what EngineCore steps instead of a local ModelRunner.
 
-Rank 0 keeps the scheduler, the KV block accounting and the sampler; it is also stage 0's TP
-rank 0 and computes its own share. Each step it splits the scheduled batch into micro-batches
+Rank 0 keeps the scheduler and the KV block accounting; it is also stage 0's TP rank 0 and
+computes its own share. Each step it splits the scheduler's plain output into micro-batches
 (pipeline_micro_batches of them, by default one per pipeline stage), broadcasts them to every
 rank on the control group, runs stage 0 on each micro-batch in turn (its sends do not wait), and,
-with pipeline stages, then receives each micro-batch's logits from the last stage. Followers run
-the same ModelRunner on the same inputs (engine.executor.worker), so every rank builds identical
-batch tensors and block tables.
+with pipeline stages, then receives each micro-batch's sampled tokens from the last stage's TP
+rank 0, which samples. Followers run the same ModelRunner on the same inputs
+(engine.executor.worker), so every rank builds identical batch tensors and block tables.
 
 On one node rank 0 starts the other ranks itself (engine.executor.procs); under torchrun they
 are started by torchrun (`python -m engine.torchrun`) and rank 0 only joins them.
@@ -24,15 +24,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.model_runner import ModelRunner, StepLogits, resolve_device
+from engine.model_runner import ModelRunner, resolve_device
 from engine.distributed import pipeline
 from engine.distributed.groups import destroy_distributed, init_distributed
 from engine.distributed.layout import ParallelLayout, check_layout, launched_by_torchrun
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.distributed.state import reset_parallel_state, world_state
-from engine.executor.step import REPORT, STOP, StepMessage
+from engine.executor.step import REPORT, STEP, STOP, StepMessage, split_micro_batches
 from engine.executor.worker import rank_report, worker_main
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ class ParallelExecutor:
         self.children: ChildProcesses | None = None
         self._dead: str | None = None
         self._closed = False
-        self._copies: list[tuple[int, int]] = []
         self.timeout_s = config.distributed_timeout_s
         # One micro-batch per stage unless the config says otherwise; 1 turns the overlap off.
         self.num_micro_batches = (config.pipeline_micro_batches or layout.pp) if layout.pp > 1 else 1
@@ -114,34 +113,28 @@ class ParallelExecutor:
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy now on rank 0; the other ranks copy before the next step (nothing reads the
-        blocks in between)."""
-        if pairs:
-            self.runner.copy_blocks(pairs)
-            self._copies += pairs
-
-    def execute_model(self, batch: SchedulerOutput) -> StepLogits:
+    def execute_model(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         start = time.perf_counter()
-        micro = pipeline.split_micro_batches(batch.scheduled, self.num_micro_batches)
+        micro = split_micro_batches(batch, self.num_micro_batches)
         try:
-            self._broadcast(StepMessage.step(micro, self._copies))
-            self._copies = []
+            self._broadcast(StepMessage(STEP, micro))
             outs = []
-            for scheduled in micro:
+            for mb in micro:
                 t = time.perf_counter()
-                outs.append(self.runner.execute_model(SchedulerOutput(scheduled=scheduled)))
+                outs.append(self.runner.execute_model(mb))
                 pipeline.clock.compute_s += time.perf_counter() - t
-            if self.layout.pp > 1:
-                for out in outs:
-                    pipeline.recv_logits(out, src=self.layout.last_stage_leader)
+            if self.layout.pp > 1:  # the last stage sampled; rank 0 only ran stage 0
+                outs = [pipeline.recv_output(src=self.layout.last_stage_leader) for _ in micro]
             pipeline.wait_sends()
         except RuntimeError as e:  # torch.distributed errors (DistBackendError included)
             raise self._failed(e) from e
         pipeline.clock.steps += 1
         pipeline.clock.step_s += time.perf_counter() - start
-        return _merge(outs)
+        merged = ModelRunnerOutput()
+        for out in outs:  # micro-batches are contiguous: rows come back in scheduling order
+            merged.extend(out)
+        return merged
 
     # ---- health, reports, shutdown ---------------------------------------------------------
 
@@ -196,15 +189,6 @@ class ParallelExecutor:
         else:
             logger.warning("a rank did not take the stop message; its process group is left as is")
             reset_parallel_state()
-
-
-def _merge(outs: list[StepLogits]) -> StepLogits:
-    """One StepLogits for the whole batch, rows in scheduling order (micro-batches are contiguous)."""
-    if len(outs) == 1:
-        return outs[0]
-    sample = [o.sample_logits for o in outs if o.sample_logits is not None]
-    return StepLogits([r for o in outs for r in o.sample_reqs], torch.cat(sample) if sample else None,
-                      [p for o in outs for p in o.prompt_logits])
 
 
 def pipeline_bubble(reports: list[dict], pp: int) -> float:

@@ -1,55 +1,42 @@
-"""What rank 0 broadcasts to the other ranks of its replica, and how they read it back.
+"""What rank 0 broadcasts to the other ranks of its replica each step.
 
-Followers keep no scheduler and no requests: each step they get, per scheduled request, just
-what `ModelRunner.execute_model` reads of a Request (the new tokens, the block table, where the
-request stands), and run the very same `execute_model` on it. So a change to how the runner
-builds its batch tensors reaches every rank without a second code path.
+Followers keep no scheduler and no Request: they get the step's SchedulerOutput (plain data: new
+streams once, then only what changed), split into the step's micro-batches, and run the very same
+`ModelRunner.execute_model` on it, keeping their own copy of every stream. So a change to how the
+runner builds its batch reaches every rank without a second code path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.distributed import pipeline
 from engine.scheduler_output import SchedulerOutput
 
 STEP, REPORT, STOP = "step", "report", "stop"
 
 
 @dataclass
-class ScheduledSlice:
-    """The part of a Request that one step's forward pass reads (duck-types Request there)."""
-
-    num_computed_tokens: int
-    new_token_ids: list[int]  # the tokens this step computes, from num_computed_tokens on
-    block_ids: list[int]
-    num_prompt_tokens: int
-    num_tokens: int
-    wants_prompt_logprobs: bool
-
-    @classmethod
-    def of(cls, req, n: int) -> ScheduledSlice:
-        start = req.num_computed_tokens
-        return cls(start, req.token_ids_slice(start, start + n), list(req.block_ids), req.num_prompt_tokens,
-                   req.num_tokens, req.prompt_logprobs is not None)
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        assert start == self.num_computed_tokens and end - start <= len(self.new_token_ids)
-        return self.new_token_ids[: end - start]
-
-    @property
-    def prompt_logprobs(self) -> list | None:
-        return [] if self.wants_prompt_logprobs else None
-
-
-@dataclass
 class StepMessage:
     kind: str  # STEP: run micro_batches; REPORT: send rank_report() to rank 0; STOP: leave
-    micro_batches: list[list[tuple[ScheduledSlice, int]]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # forks since the last step, applied first
+    micro_batches: list[SchedulerOutput] = field(default_factory=list)
 
-    @classmethod
-    def step(cls, micro_batches: list[list], block_copies: list[tuple[int, int]]) -> StepMessage:
-        return cls(STEP, [[(ScheduledSlice.of(req, n), n) for req, n in mb] for mb in micro_batches], block_copies)
 
-    def batches(self) -> list[SchedulerOutput]:
-        return [SchedulerOutput(scheduled=list(mb)) for mb in self.micro_batches]
+def split_micro_batches(sched: SchedulerOutput, m: int) -> list[SchedulerOutput]:
+    """The step as at most `m` micro-batches of about equal tokens (pipeline.split_micro_batches).
+    The first carries the step's stream updates (every rank applies them before its first
+    forward); each carries the forks of its own streams; the last carries the block copies, made
+    after every forward of the step has written its blocks."""
+    parts = pipeline.split_micro_batches(sched.num_scheduled_tokens, m)
+    if len(parts) == 1:
+        return [sched]
+    micro = []
+    for i, part in enumerate(parts):
+        first, last = i == 0, i == len(parts) - 1
+        keys = {k for k, _ in part}
+        micro.append(SchedulerOutput(
+            new_reqs=sched.new_reqs if first else [], cached_reqs=sched.cached_reqs if first else [],
+            num_scheduled_tokens=part, forks=[f for f in sched.forks if f[0] in keys],
+            block_copies=sched.block_copies if last else [],
+            finished_req_ids=sched.finished_req_ids if first else []))
+    return micro

@@ -2,9 +2,10 @@
 
 A follower builds its shard of the model (its stage's layers, its TP slice of each) and its share
 of the KV cache with the same ModelRunner as rank 0, then loops: wait for rank 0's next message
-on the control group, apply the block copies of forks, run each micro-batch through
-`execute_model`, and, on the last stage's TP rank 0, send the logits to rank 0. Any error ends
-the process; rank 0 sees the closed connections or the exit at once.
+on the control group, run each micro-batch through `execute_model` (which applies the step's
+stream updates and block copies), and, on the last stage's TP rank 0 under pipeline parallelism,
+send the sampled tokens to rank 0. Any error ends the process; rank 0 sees the closed connections
+or the exit at once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def worker_main(rank: int, layout: ParallelLayout, config, init_method: str, loc
 
 
 def follow(runner, layout: ParallelLayout, control) -> None:
-    sends_logits = layout.pp > 1 and dist.get_rank() == layout.last_stage_leader
+    sends_output = layout.pp > 1 and dist.get_rank() == layout.last_stage_leader
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=control)
@@ -50,20 +51,20 @@ def follow(runner, layout: ParallelLayout, control) -> None:
         if msg.kind == REPORT:
             dist.gather_object(rank_report(runner), None, dst=0, group=control)
             continue
-        run_step(runner, msg, sends_logits)
+        run_step(runner, msg, sends_output)
 
 
-def run_step(runner, msg: StepMessage, sends_logits: bool) -> list:
-    """This rank's share of one step; returns each micro-batch's StepLogits."""
+def run_step(runner, msg: StepMessage, sends_output: bool) -> list:
+    """This rank's share of one step; returns each micro-batch's ModelRunnerOutput (None where
+    this rank does not sample)."""
     start = time.perf_counter()
-    runner.copy_blocks(msg.block_copies)
     outs = []
-    for batch in msg.batches():
+    for batch in msg.micro_batches:
         t = time.perf_counter()
         out = runner.execute_model(batch)
         pipeline.clock.compute_s += time.perf_counter() - t
-        if sends_logits:
-            pipeline.send_logits(out, dst=0)
+        if sends_output:
+            pipeline.send_output(out, dst=0)
         outs.append(out)
     pipeline.wait_sends()
     pipeline.clock.steps += 1

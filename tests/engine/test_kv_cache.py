@@ -74,7 +74,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         child = self._new(parent.prompt_token_ids)
         child.output_token_ids = list(parent.output_token_ids)
-        copies = self.kv.fork(parent, child)
+        copies = self.kv.fork(parent, child, parent.num_computed_tokens)
         if copies is None:
             return
         for src, dst in copies:

@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.request import Request
+from engine.model_runner import CachedRequestState
 from engine.sampler import PenaltyState, Sampler, apply_penalties, filter_logits
+from engine.scheduler_output import NewRequestData
 from tests.engine.hf_oracle import hf_greedy, hf_logits
 from tests.engine.sampling_reference import kept_tokens, penalise_row
+
+
+def _stream(prompt: list[int], params: SamplingParams) -> CachedRequestState:
+    """A stream as the runner holds it: what the sampler reads and keeps."""
+    return CachedRequestState(NewRequestData("r#0", 0, list(prompt), [], params, [], 0))
 
 PROMPTS = [[5, 17, 42, 99], [7] * 20, [300, 200, 100]]
 
@@ -45,7 +51,7 @@ def test_top_k_1_and_temperature_0_equal_greedy(tiny_llm, tiny_models):
 
 
 def _penalise(logits, prompt, output, presence, frequency, repetition):
-    state = PenaltyState(Request("r", prompt, SamplingParams()), logits.shape[-1], torch.device("cpu"))
+    state = PenaltyState(_stream(prompt, SamplingParams()), logits.shape[-1], torch.device("cpu"))
     state.output_counts.zero_()
     state.frequency, state.presence = frequency, presence
     state.subtract.zero_()
@@ -115,8 +121,8 @@ def test_extreme_but_valid_settings_sample(tiny_llm):
     sample (everything, and the argmax alone), not fail the request."""
     logits = torch.tensor([[0.1, 3.0, 0.2, 0.3]])
     sampler = Sampler([], seed=0, device=torch.device("cpu"))
-    assert sampler(logits, [Request("r", [1], SamplingParams(temperature=1.0, top_p=1e-300))])[0].token_id == 1
-    assert 0 <= sampler(logits, [Request("r", [1], SamplingParams(temperature=1.0, top_k=2**70))])[0].token_id < 4
+    assert sampler(logits, [_stream([1], SamplingParams(temperature=1.0, top_p=1e-300))])[0].token_id == 1
+    assert 0 <= sampler(logits, [_stream([1], SamplingParams(temperature=1.0, top_k=2**70))])[0].token_id < 4
 
 
 def test_penalty_counts_follow_the_output_incrementally(tiny_llm):
@@ -126,8 +132,8 @@ def test_penalty_counts_follow_the_output_incrementally(tiny_llm):
                        frequency_penalty=0.6, repetition_penalty=1.3)
     once = _tokens(tiny_llm.generate(PROMPTS, p, use_tqdm=False))
     assert once == _tokens(tiny_llm.generate(PROMPTS, p, use_tqdm=False))
-    sampler = tiny_llm.engine.sampler
-    req = Request("x", PROMPTS[0], p)
+    sampler = tiny_llm.engine.runner.sampler
+    req = _stream(PROMPTS[0], p)
     req.output_token_ids = list(once[0][:5])
     state = PenaltyState(req, 512, torch.device("cpu"))
     assert state.output_counts.sum() == 5 and bool(state.seen[PROMPTS[0]].all())
@@ -138,7 +144,7 @@ def test_sampled_frequencies_match_softmax():
     probs = torch.tensor([0.05, 0.6, 0.25, 0.1])
     logits = torch.log(probs) * 0.5  # temperature 0.5 undoes the 0.5 scale
     sampler = Sampler([], seed=0, device=torch.device("cpu"))
-    req = Request("r", [1], SamplingParams(temperature=0.5, seed=7))
+    req = _stream([1], SamplingParams(temperature=0.5, seed=7))
     n = 4000
     counts = torch.zeros(4)
     for _ in range(n):
@@ -151,7 +157,7 @@ def test_sampled_frequencies_match_softmax():
 def test_min_tokens_masks_eos_and_stop_ids():
     sampler = Sampler([3], seed=0, device=torch.device("cpu"))
     logits = torch.tensor([[0.0, 0.0, 1.0, 9.0, 8.0]])
-    req = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]))
+    req = _stream([1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]))
     assert sampler(logits, [req])[0].token_id == 2
     req.output_token_ids = [2, 2]
     assert sampler(logits, [req])[0].token_id == 3

@@ -23,15 +23,16 @@ def req(rid: str, prompt_len: int, n: int = 1) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(n=n, max_tokens=100))
 
 
-def run(s: Scheduler):
-    """One step as the core does it: schedule, then count the tokens computed and add one output
-    token to every request whose prompt is done."""
-    out = s.schedule()
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
+def run(s: Scheduler) -> list[tuple[Request, int]]:
+    """One step as the core does it: schedule, mark the tokens computed, and add one output token
+    to every request whose prompt is done. Returns what the step ran."""
+    s.schedule()
+    scheduled = list(s.scheduled)
+    s.update_computed()
+    for r, n in scheduled:
         if r.num_computed_tokens == r.num_tokens:
             r.output_token_ids.append(7)
-    return out
+    return scheduled
 
 
 def test_token_budget_and_chunked_prefill():
@@ -40,25 +41,25 @@ def test_token_budget_and_chunked_prefill():
     s.add(a)
     s.add(b)
     out = run(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 6), ("b", 4)]  # b is chunked
+    assert [(r.request_id, n) for r, n in out] == [("a", 6), ("b", 4)]  # b is chunked
     assert s.num_chunked_prefills == 1
     out = run(s)  # a decodes first (1 token), then b's prefill goes on with what is left
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 5)]
+    assert [(r.request_id, n) for r, n in out] == [("a", 1), ("b", 5)]
 
 
 def test_without_chunking_a_prompt_waits_for_a_budget_that_holds_it():
     s = make(max_num_batched_tokens=10, enable_chunked_prefill=False)
     s.add(req("a", 6))
     s.add(req("b", 9))
-    assert [r.request_id for r, _ in run(s).scheduled] == ["a"]
-    assert [r.request_id for r, _ in run(s).scheduled] == ["a", "b"]
+    assert [r.request_id for r, _ in run(s)] == ["a"]
+    assert [r.request_id for r, _ in run(s)] == ["a", "b"]
 
 
 def test_sequence_budget_counts_every_choice():
     s = make(max_num_seqs=4)
     s.add(req("a", 3, n=3))
     s.add(req("b", 3, n=2))  # 3 + 2 > 4: waits even though one slot is free
-    assert [r.request_id for r, _ in run(s).scheduled] == ["a"]
+    assert [r.request_id for r, _ in run(s)] == ["a"]
     assert s.num_waiting == 1 and s.num_waiting_seqs == 2
 
 
@@ -69,9 +70,67 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     s.add(b)
     run(s)
     out = run(s)  # a's 9th token needs a third block: b (newest) is preempted
-    assert out.preempted == [b] and [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert [r.request_id for r, _ in out] == ["a"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.waiting[0] is b
     assert s.num_preemptions == 1
+
+
+def test_step_output_sends_each_stream_once_then_only_what_changed():
+    """The runner's copy of every stream, rebuilt from the plain outputs alone (as a follower
+    process does), matches the scheduler's Requests step after step: new streams whole, then
+    new tokens and blocks; forks with their block copy; finished streams named; a preempted
+    stream's blocks replaced when it comes back."""
+    s = make(num_blocks=6, max_num_batched_tokens=64)
+    a, b = req("a", 6), req("b", 5, n=2)
+    s.add(a)
+    s.add(b)
+    held = {}  # what a runner holds: key -> [tokens, blocks, num_computed]
+
+    def step(token: int):
+        """One step; every stream that reached its end (a fork too) gets `token`."""
+        out = s.schedule()
+        for key in out.finished_req_ids:
+            held.pop(key)
+        for new in out.new_reqs + [child for _, child in out.forks]:
+            held[new.req_id] = [new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                                new.num_computed_tokens]
+        for c in out.cached_reqs:
+            h = held[c.req_id]
+            h[0] = h[0] + c.new_token_ids
+            h[1] = list(c.new_block_ids) if c.resumed else h[1] + c.new_block_ids
+            h[2] = c.num_computed_tokens
+        streams = dict(s.step_streams)
+        for key, n in out.num_scheduled_tokens:
+            r = streams[key]
+            assert held[key] == [r.all_token_ids, r.block_ids, r.num_computed_tokens], key
+        s.update_computed()
+        for r in streams.values():
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(token)
+        return out
+
+    out = step(10)
+    assert [n.req_id for n in out.new_reqs] == ["a#0", "b#0"] and not out.cached_reqs
+    # b's prompt completes: its second choice shares the full block and gets a copy of the partial one.
+    assert [(parent, child.req_id) for parent, child in out.forks] == [("b#0", "b#1")]
+    (child,) = [c for _, c in out.forks]
+    assert child.block_ids[0] == b.block_ids[0] and out.block_copies == [(b.block_ids[1], child.block_ids[1])]
+    out = step(11)
+    assert not out.new_reqs and [(c.req_id, c.new_token_ids) for c in out.cached_reqs] == [
+        ("a#0", [10]), ("b#0", [10]), ("b#1", [10])]
+    s.finish(a)
+    out = step(12)
+    assert out.finished_req_ids == ["a#0"] and "a#0" not in {k for k, _ in out.num_scheduled_tokens}
+    # Fill the pool until a choice is preempted, then let it come back.
+    while s.num_preemptions == 0:
+        out = step(13)
+    victim = s.waiting[0]
+    for r in list(s.running):
+        s.finish(r)
+    out = step(14)
+    (resumed,) = out.cached_reqs
+    assert resumed.req_id == victim.key and resumed.resumed and resumed.new_block_ids == victim.block_ids
+    assert sorted(out.finished_req_ids) == sorted({"b#0", "b#1"} - {victim.key})
 
 
 def test_aborting_waiting_requests_skips_them_and_keeps_counts():
@@ -82,7 +141,7 @@ def test_aborting_waiting_requests_skips_them_and_keeps_counts():
     for r in reqs[:4]:
         s.finish(r)
     assert s.num_waiting == 2 and s.num_waiting_seqs == 1 + 2
-    assert [r.request_id for r, _ in run(s).scheduled] == ["4"]
+    assert [r.request_id for r, _ in run(s)] == ["4"]
     assert s.num_waiting == 1 and s.kv.num_free_blocks == 64 - 1
 
 
