@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig
-from engine.executor.executor import make_runner
 from engine.kv_cache import KVCacheManager
-from engine.loader import resolve_model
+from engine.loader import ModelSource
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
 from engine.sampling_params import SamplingParams
@@ -51,14 +50,14 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, source: ModelSource, runner):
+        """`runner`: what executes a step, built by the front end (engine.frontend.startup): a
+        ModelRunner in one process, rank 0's ParallelExecutor under TP x PP; same interface."""
         self.config = config
-        source = resolve_model(config.model, config.tokenizer, config.chat_template)
         self.tokenizer = source.tokenizer
         self.model_name = source.name
         self.eos_token_ids = source.eos_token_ids
-        # One process: a ModelRunner. tensor/pipeline parallel: rank 0's executor, same interface.
-        self.runner = make_runner(config, source)
+        self.runner = runner
         self.vocab_size = source.hf_config.vocab_size
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = self.runner.max_model_len

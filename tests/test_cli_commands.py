@@ -337,7 +337,7 @@ def test_serve_exits_1_when_the_engine_dies(tiny):
 
 
 def test_chat_template_reaches_the_engine(tiny, capsys):
-    # Needs EngineCore to open the model with resolve_model(..., chat_template=config.chat_template).
+    # Needs the front end to open the model with resolve_model(..., chat_template=config.chat_template).
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
     assert main(["generate", "Hello", "--chat", "--model", tiny, "--kv-cache-memory", "16MiB", "--max-tokens", "1",
                  "--chat-template", template]) == 0

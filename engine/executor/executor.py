@@ -37,7 +37,7 @@ from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def make_runner(config, source):
+def make_executor(config, source):
     """A local ModelRunner for one process, else rank 0's ParallelExecutor."""
     if config.data_parallel_size > 1:
         raise ValueError("EngineCore runs one replica; data_parallel_size > 1 needs LLM(...) or `engine serve`, "

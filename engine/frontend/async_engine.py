@@ -380,9 +380,9 @@ class AsyncEngine:
 
 
 def _default_core_factory(config: EngineConfig):
-    from engine.core import EngineCore
+    from engine.frontend.startup import build_engine_core
 
-    return EngineCore(config)
+    return build_engine_core(config)
 
 
 def _private_copy(tokenizer):

@@ -8,7 +8,7 @@ import time
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.frontend.startup import build_engine_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class LLM:
 
             self.engine = DataParallelCore(self.config)
         else:
-            self.engine = EngineCore(self.config)
+            self.engine = build_engine_core(self.config)
         self.tokenizer = self.engine.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

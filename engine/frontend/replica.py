@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 def replica_main(index: int, config, fd: int, gpus: list[str] | None) -> None:
     if gpus is not None:  # before anything touches CUDA: this replica sees only its own GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    from engine.core import EngineCore
+    from engine.frontend.startup import build_engine_core
 
     conn = Connection(fd)
-    core = EngineCore(config)
+    core = build_engine_core(config)
     try:
         conn.send(("ready", core.max_model_len, core.stats()))
         logger.info("data-parallel replica %d ready", index)

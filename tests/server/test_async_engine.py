@@ -225,6 +225,7 @@ def test_loop_death_fails_pending_requests_promptly(tiny_model_dir, caplog):
     """A failing step (injected into the real core) errors every pending request at once, turns
     health off, logs the traceback, and refuses new work."""
     from engine.core import EngineCore
+    from engine.frontend.startup import build_engine_core
 
     class FailingCore(EngineCore):
         fail_after = 3
@@ -237,7 +238,7 @@ def test_loop_death_fails_pending_requests_promptly(tiny_model_dir, caplog):
 
     async def main():
         engine = AsyncEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, num_threads=1),
-                             core_factory=FailingCore)
+                             core_factory=lambda config: build_engine_core(config, FailingCore))
         await engine.start()
         assert engine.is_healthy
         streams = [engine.generate(f"r{i}", [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
@@ -266,6 +267,7 @@ def test_loop_death_over_http_gives_500_and_unhealthy(tiny_model_dir, caplog):
     from fastapi.testclient import TestClient
 
     from engine.core import EngineCore
+    from engine.frontend.startup import build_engine_core
     from server.app import build_app
 
     armed = threading.Event()
@@ -277,7 +279,7 @@ def test_loop_death_over_http_gives_500_and_unhealthy(tiny_model_dir, caplog):
             return super().step()
 
     engine = AsyncEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, num_threads=1),
-                         core_factory=FailingCore)
+                         core_factory=lambda config: build_engine_core(config, FailingCore))
     with TestClient(build_app(engine, shutdown_timeout=1)) as http:
         ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert ok.status_code == 200 and http.get("/health").status_code == 200
