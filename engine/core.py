@@ -40,9 +40,10 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
     if params.n > max_num_seqs:
         raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), the sequences this server runs "
                          f"at once, got {params.n}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]}")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} must name token ids in [0, {vocab_size}), got {bad[0]}")
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(params, name)
         if v is not None and v > max_logprobs:

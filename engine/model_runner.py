@@ -72,6 +72,7 @@ class CachedRequestState(TokenSequence):
         self.num_computed_tokens = new.num_computed_tokens
         self.generator: torch.Generator | None = None
         self.penalty_state = None
+        self.logit_bias_tensors = None
 
 
 class ModelRunner:

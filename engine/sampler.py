@@ -1,5 +1,5 @@
 """Turn one logits row per sampling stream into a token, for the whole batch at once: penalties,
-min_tokens, then greedy or temperature / top-k / top-p / min-p sampling. Logprobs are of the
+logit_bias, min_tokens, then greedy or temperature / top-k / top-p / min-p sampling. Logprobs are of the
 model's own distribution (log_softmax of the raw logits, before penalties and temperature), as
 OpenAI reports them.
 
@@ -19,8 +19,8 @@ from engine.scheduler_output import SampledToken
 
 
 class Stream(Protocol):
-    """What the sampler reads of a stream (the runner's per-stream state), and the two things it
-    keeps there: the stream's seeded generator and its penalty counts."""
+    """What the sampler reads of a stream (the runner's per-stream state), and what it keeps
+    there: the stream's seeded generator, its penalty counts and its logit_bias as tensors."""
 
     index: int
     sampling_params: SamplingParams
@@ -28,6 +28,7 @@ class Stream(Protocol):
     output_token_ids: list[int]
     generator: torch.Generator | None
     penalty_state: PenaltyState | None
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class PenaltyState:
@@ -141,14 +142,17 @@ class Sampler:
         penalised = [i for i, p in enumerate(params)
                      if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
         banning = [i for i, (r, p) in enumerate(zip(reqs, params)) if len(r.output_token_ids) < p.min_tokens]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        edits = bool(penalised or banning)
+        edits = bool(penalised or banning or biased)
         if want_logprobs or edits or sampled:
             # float32 for everything but a plain argmax (which is exact on 16-bit logits too);
             # a copy when editing, so penalties and masks never touch the caller's tensor.
             logits = logits.to(torch.float32, copy=edits)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         states = self._penalise(logits, reqs, penalised) if penalised else {}
+        if biased:
+            self._add_logit_bias(logits, reqs, biased)
         if banning:
             self._ban_stop_tokens(logits, reqs, banning)
         # max(dim).indices: the same first-maximum index as argmax, which on CPU is ~7x slower
@@ -178,6 +182,23 @@ class Sampler:
                         torch.stack([s.subtract for s in states.values()]), repetition)
         logits[index] = block
         return states
+
+    @staticmethod
+    def _add_logit_bias(logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
+        """Add each row's logit_bias (OpenAI: to the logits, before sampling, greedy included), in
+        one scatter for the batch; each stream's bias is made a tensor once."""
+        index, cols, vals = [], [], []
+        for i in rows:
+            req = reqs[i]
+            if req.logit_bias_tensors is None:
+                bias = req.sampling_params.logit_bias
+                req.logit_bias_tensors = (torch.tensor(list(bias), dtype=torch.long, device=logits.device),
+                                          torch.tensor(list(bias.values()), dtype=torch.float32, device=logits.device))
+            c, v = req.logit_bias_tensors
+            index.append(torch.full_like(c, i))
+            cols.append(c)
+            vals.append(v)
+        logits.index_put_((torch.cat(index), torch.cat(cols)), torch.cat(vals), accumulate=True)
 
     def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
         """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""

@@ -13,6 +13,8 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 GREEDY_TEMPERATURE = 1e-5
 # Dividing a logit by a penalty near 0 overflows it; below this no penalty means anything more.
 MIN_REPETITION_PENALTY = 0.01
+# OpenAI's range for a logit bias: -100 bans a token in effect, +100 makes it the only choice.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -35,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +46,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = dict(self.logit_bias or {})
         self._validate()
 
     @property
@@ -82,6 +86,10 @@ class SamplingParams:
         check(len(self.stop) <= 16, "stop", "at most 16 strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative token ids")
+        check(all(is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias",
+              "a map from non-negative token ids to biases")
+        check(all(is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+              "logit_bias", f"a map whose biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             v = getattr(self, name)
             check(v is None or (is_int(v) and v >= 0), name, "None or a non-negative integer")

@@ -180,3 +180,35 @@ def test_logprobs_equal_transformers_log_softmax(tiny_llm, tiny_models):
     assert out.prompt_logprobs[0] is None
     for j, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert entry[prompt[j]] == pytest.approx(float(ref[j - 1, prompt[j]]), abs=1e-4)
+
+
+def test_logit_bias_steers_greedy_generation_as_transformers_would(tiny_llm, tiny_models):
+    """-100 on each step's argmax (from transformers' logits for the sequence so far) moves greedy
+    decoding to the runner-up at every step; +100 on one token makes it the only choice, sampled
+    or greedy, whatever else is in the batch."""
+    path = tiny_models("llama")
+    prompt = PROMPTS[0]
+    first = int(hf_logits(path, prompt)[-1].argmax())
+    banned = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logit_bias={first: -100}),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    ref = hf_logits(path, prompt)[-1].double()
+    ref[first] -= 100
+    assert banned == [int(ref.argmax())] and banned != [first]
+    forced = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0})
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = tiny_llm.generate([prompt, PROMPTS[1]], [forced, plain], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [42] * 6
+    assert outs[1].outputs[0].token_ids == hf_greedy(path, PROMPTS[1], 6)  # its neighbour is untouched
+
+
+@pytest.mark.parametrize("bias, field", [({-1: 1.0}, "logit_bias"), ({5: 100.5}, "logit_bias"),
+                                         ({5: float("nan")}, "logit_bias"), ({"5": 1.0}, "logit_bias")])
+def test_logit_bias_is_checked(bias, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(tiny_llm):
+    with pytest.raises(ValueError, match="^logit_bias must name token ids in"):
+        tiny_llm.engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias={10**6: 5.0}))
+    assert not tiny_llm.engine.parents
