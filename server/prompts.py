@@ -77,22 +77,30 @@ class PromptTokenizer:
         encoded = iter(await self._run(self._encode_all, texts) if texts else [])
         return [Prompt(item, next(encoded)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]
 
-    def _encode_all(self, texts: list[str]) -> list[list[int]]:
-        return [self._tokenizer(t).input_ids for t in texts]
+    def _encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self._tokenizer(t, add_special_tokens=add_special_tokens).input_ids for t in texts]
 
-    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+    async def text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        """One text, tokenized as /v1/completions would (/tokenize); not checked against the
+        context window beyond the byte bound that keeps the thread's work small."""
+        self._check_bytes(len(text.encode("utf-8", "surrogatepass")), "prompt")
+        return Prompt(text, (await self._run(self._encode_all, [text], add_special_tokens))[0])
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> Prompt:
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
-        return await self._run(self._apply_template, messages)
+        return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens)
 
-    def _apply_template(self, messages: list[dict]) -> Prompt:
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> Prompt:
         try:
-            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
             raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
-        # The template already wrote any BOS it wants; do not let the tokenizer add another.
-        return Prompt(text, self._tokenizer(text, add_special_tokens=False).input_ids)
+        # The template already wrote any BOS it wants: by default the tokenizer adds no other.
+        return Prompt(text, self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def _too_long(num_tokens: int, max_model_len: int, param: str):

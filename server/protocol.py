@@ -55,7 +55,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     seed: Annotated[Int | None, Field(ge=SEED_MIN, le=SEED_MAX)] = None
     user: str | None = None  # an end-user id for abuse tracking; recorded nowhere, changes nothing
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as JSON keys (strings)
     # Engine extras (vLLM names).
     top_k: Int | None = None
     min_p: float | None = None
@@ -68,8 +68,15 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        return _unsupported("logit bias", v, noop=(None, {}))
+    def _logit_bias_token_ids(cls, v):
+        """Keys must read as token ids; the range of each bias and the vocabulary are checked by
+        SamplingParams and the engine's limits, like every other field."""
+        if v is None:
+            return v
+        bad = [k for k in v if not k.strip().isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad[0]!r}")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -89,6 +96,7 @@ class _SamplingRequest(_Request):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -353,3 +361,43 @@ class ErrorResponse(BaseModel):
     """Every 4xx and 5xx body, in OpenAI's shape."""
 
     error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- tokenize / detokenize (vLLM's shapes)
+
+
+class TokenizeRequest(_Request):
+    """Either a completions `prompt` (a string) or chat `messages`, tokenized as the generation
+    routes would: the chat template applied to messages (with the assistant's opening when
+    add_generation_prompt), special tokens added to a plain prompt unless add_special_tokens is false."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -84,7 +84,9 @@ CASES = [
     ("tool-choice", "/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice", KEY),
     ("json-response-format", "/v1/chat/completions", chat(response_format={"type": "json_object"}), 400,
      "response_format", KEY),
-    ("logit-bias", "/v1/completions", comp(logit_bias={"5": 10}), 400, "logit_bias", KEY),
+    ("logit-bias-over-100", "/v1/completions", comp(logit_bias={"5": 100.5}), 400, "logit_bias", KEY),
+    ("logit-bias-out-of-vocab", "/v1/completions", comp(logit_bias={"1000000": 5}), 400, "logit_bias", KEY),
+    ("logit-bias-key-not-an-id", "/v1/chat/completions", chat(logit_bias={"hello": 5}), 400, "logit_bias", KEY),
     ("unknown-field", "/v1/completions", comp(frobnicate=1), 400, "frobnicate", KEY),
     ("stream-options-without-stream", "/v1/completions", comp(stream_options={"include_usage": True}), 400,
      "stream_options", KEY),
@@ -100,6 +102,12 @@ CASES = [
     ("wrong-api-key", "/v1/chat/completions", chat(), 401, None, {"Authorization": "Bearer nope"}),
     ("wrong-auth-scheme", "/v1/models", {}, 401, None, {"Authorization": f"Basic {API_KEY}"}),
     ("unknown-route", "/v1/embeddings", comp(), 404, None, KEY),
+    ("tokenize-neither", "/tokenize", {"json": {}}, 400, None, KEY),
+    ("tokenize-both", "/tokenize", {"json": {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}}, 400,
+     None, KEY),
+    ("tokenize-without-key", "/tokenize", {"json": {"prompt": "a"}}, 401, None, {}),
+    ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 10**6]}}, 400, "tokens", KEY),
+    ("detokenize-negative", "/detokenize", {"json": {"tokens": [-1]}}, 400, "tokens", KEY),
     ("wrong-method", "/v1/completions", {"method": "GET"}, 405, None, KEY),
 ]
 

@@ -170,3 +170,50 @@ def test_metrics_exposed(server, client):
         assert name in text, name
     assert metric(text, "pagewise:generation_tokens_total") > 0
     assert metric(text, "pagewise:requests_finished_total", finished_reason="length") > 0
+
+
+def test_logit_bias_on_both_endpoints(client, tiny_model_dir):
+    """+100 on one token makes it the only choice (OpenAI's semantics), sampled or greedy; the
+    text is that token repeated, decoded by the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = client.models.list().data[0].id
+    token = 42
+    want = tok.decode([token] * 5)
+    c = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3,
+                                  logit_bias={str(token): 100})
+    assert c.choices[0].text == want and c.usage.completion_tokens == 5
+    ch = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
+                                        logit_bias={str(token): 100})
+    assert ch.choices[0].message.content == want
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server, tiny_model_dir):
+    """/tokenize gives what the generation routes feed the model (the usage counts agree, and the
+    chat template's ids equal transformers' own); /detokenize is the tokenizer's decode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    headers = {"Authorization": "Bearer test-key-123"}
+
+    def post(path, body):
+        r = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    t = post("/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert t["tokens"] == tok(PROMPT).input_ids and t["count"] == len(t["tokens"]) and t["max_model_len"] > 0
+    assert t["token_strs"] == tok.convert_ids_to_tokens(t["tokens"])
+    usage = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=headers,
+                       timeout=30).json()["usage"]
+    assert usage["prompt_tokens"] == t["count"]
+    c = post("/tokenize", {"messages": CHAT})
+    want = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert c["tokens"] == tok(want, add_special_tokens=False).input_ids and c["token_strs"] is None
+    chat_usage = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1},
+                            headers=headers, timeout=30).json()["usage"]
+    assert chat_usage["prompt_tokens"] == c["count"]
+    bare = post("/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert bare["count"] < c["count"]
+    assert post("/detokenize", {"tokens": t["tokens"]})["prompt"] == tok.decode(t["tokens"])
