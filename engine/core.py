@@ -172,6 +172,13 @@ class EngineCore:
         for key, first_token, entries in result.prompt_logprobs:
             req = streams[key]
             self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, entries)
+        for key, vector in result.pooled:
+            req = streams[key]
+            parent = self.parents.get(req.request_id)
+            if parent is not None:
+                out = self._guarded(req.request_id, self._finish_pooled, parent, req, vector)
+                if out is not _FAILED:
+                    outputs.append(out)
         for key, token in result.sampled:
             req = streams[key]
             parent = self.parents.get(req.request_id)
@@ -223,6 +230,15 @@ class EngineCore:
             out.request_finished = True
             del self.parents[req.request_id]
         return out
+
+    def _finish_pooled(self, parent: ParentRequest, req: Request, embedding: list[float]) -> CoreOutput:
+        """An embedding request's prompt is done: it ends with its embedding, generating nothing."""
+        self.prompt_tokens_total += req.num_prompt_tokens
+        req.finish_reason = "stop"
+        self.scheduler.finish(req)
+        del self.parents[req.request_id]
+        return CoreOutput(req.request_id, 0, finish_reason="stop", request_finished=True,
+                          num_cached_tokens=req.num_cached_tokens, embedding=embedding)
 
     @staticmethod
     def _record_prompt_logprobs(req: Request, first_token: int, entries: list[dict[int, float]]) -> None:

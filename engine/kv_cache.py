@@ -96,8 +96,9 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding this prompt's leading full blocks. At least one prompt token
         is always left to compute, because its logits are needed to sample."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
+        p = request.sampling_params
+        if not self.enable_prefix_caching or p.prompt_logprobs is not None or p.pooling == "mean":
+            return []  # these read every prompt position's output, so every position is computed
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         blocks, parent = [], None

@@ -73,6 +73,7 @@ class CachedRequestState(TokenSequence):
         self.generator: torch.Generator | None = None
         self.penalty_state = None
         self.logit_bias_tensors = None
+        self.pooled_sum: torch.Tensor | None = None  # mean pooling: the final hidden states so far
 
 
 class ModelRunner:
@@ -211,6 +212,7 @@ class ModelRunner:
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
         query_start = [0]
         sample_rows, sample_streams, prompt_rows = [], [], []
+        pool_chunks, pool_ends = [], []  # embedding requests: rows to sum (mean), rows that finish one
         children: dict[str, list[CachedRequestState]] = {}
         for parent, child in sched.forks:
             children.setdefault(parent, []).append(self.requests[child.req_id])
@@ -228,6 +230,12 @@ class ModelRunner:
                 # Row p scores prompt token p + 1.
                 last = min(end, state.num_prompt_tokens - 1)
                 prompt_rows.append((state, start + 1, query_start[-2], query_start[-2] + last - start))
+            if state.sampling_params.pooling is not None:
+                if state.sampling_params.pooling == "mean":
+                    pool_chunks.append((state, start, query_start[-2], query_start[-1]))
+                if end == state.num_tokens:
+                    pool_ends.append((state, query_start[-1] - 1))
+                continue
             if end == state.num_tokens:
                 for s in [state, *children.get(req_id, ())]:  # an n > 1 prompt's choices share its row
                     sample_rows.append(query_start[-1] - 1)
@@ -266,6 +274,8 @@ class ModelRunner:
                             self._failed(out, state, e)
                     if sample_streams:
                         self._sample(out, logits, sample_streams)
+                    if pool_chunks or pool_ends:
+                        self._pool(out, hidden, residual, pool_chunks, pool_ends)
         self.copy_blocks(sched.block_copies)
         return out
 
@@ -292,6 +302,21 @@ class ModelRunner:
                 out.sampled.append((state.req_id, self.sampler(logits[i:i + 1], [state])[0]))
             except Exception as e:
                 self._failed(out, state, e)
+
+    def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
+              ends: list) -> None:
+        """Embedding requests: sum each chunk's final hidden states (mean pooling, across chunked
+        prefill steps; a chunk from position 0 starts over, as after a preemption), and once a
+        prompt is done, report the mean or the last token's state, L2-normalised, in float32."""
+        for state, start, a, b in chunks:
+            part = self.model.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
+            state.pooled_sum = part if start == 0 else state.pooled_sum + part
+        for state, row in ends:
+            if state.sampling_params.pooling == "mean":
+                vector = state.pooled_sum / state.num_prompt_tokens
+            else:
+                vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
+            out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
 
     @staticmethod
     def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,

@@ -29,6 +29,7 @@ class CoreOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # with the request's first output
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (with the first output)
     error: str | None = None  # the core failed this request (every choice ends)
+    embedding: list[float] | None = None  # an embedding request's result (it then ends)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine rejected or failed this request
+    embedding: list[float] | None = None  # an embedding request's pooled final hidden states, normalised
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` as one delta (a consumer that fell behind gets one
@@ -76,4 +78,5 @@ class RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [choices[i] for i in sorted(choices)], later.finished,
                              self.prompt_logprobs or later.prompt_logprobs,
-                             max(self.num_cached_tokens, later.num_cached_tokens), later.error or self.error)
+                             max(self.num_cached_tokens, later.num_cached_tokens), later.error or self.error,
+                             later.embedding or self.embedding)

@@ -15,6 +15,8 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 # OpenAI's range for a logit bias: -100 bans a token in effect, +100 makes it the only choice.
 MAX_LOGIT_BIAS = 100.0
+# An embedding request's pooling of the final hidden states: the last prompt token's, or the mean.
+POOLINGS = ("last", "mean")
 
 
 @dataclass
@@ -38,6 +40,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    # Set: an embedding request. The prompt runs, nothing is generated, and the request ends with
+    # the pooled, L2-normalised final hidden states (RequestOutput.embedding).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +95,9 @@ class SamplingParams:
               "a map from non-negative token ids to biases")
         check(all(is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
               "logit_bias", f"a map whose biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        check(self.pooling is None or self.pooling in POOLINGS, "pooling", f"None or one of {', '.join(POOLINGS)}")
+        if self.pooling is not None:
+            check(self.n == 1, "n", "1 for an embedding request (pooling set)")
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             v = getattr(self, name)
             check(v is None or (is_int(v) and v >= 0), name, "None or a non-negative integer")

@@ -65,15 +65,18 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     """One step's answer: a token per stream that reached the end of its known tokens (and per
-    fork), the prompt logprobs of this step's prompt rows, and the streams whose own data made
-    sampling raise (the core fails their requests; the others are unaffected)."""
+    fork), the prompt logprobs of this step's prompt rows, the embeddings of embedding requests
+    whose prompt is done, and the streams whose own data made sampling raise (the core fails
+    their requests; the others are unaffected)."""
 
     sampled: list[tuple[str, SampledToken]] = field(default_factory=list)
     # (stream, index of the first prompt token these entries score, one entry per prompt token)
     prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (stream, what raised)
+    pooled: list[tuple[str, list[float]]] = field(default_factory=list)  # embedding requests whose prompt is done
 
     def extend(self, other: ModelRunnerOutput) -> None:
         self.sampled += other.sampled
         self.prompt_logprobs += other.prompt_logprobs
         self.failed += other.failed
+        self.pooled += other.pooled

@@ -19,7 +19,7 @@ from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.openapi import install_openapi
 from server.prompts import PromptTokenizer
-from server.routes import chat, completions, info, tokenize
+from server.routes import chat, completions, embeddings, info, tokenize
 from server.state import ServerState
 
 logger = logging.getLogger("pagewise.server")
@@ -59,11 +59,11 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
             prompts.close()
 
     app = FastAPI(title="pagewise", version=engine_pkg.__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible API (completions, chat completions, models; vLLM's "
-                              "tokenize and detokenize) "
+                  description="An OpenAI-compatible API (completions, chat completions, embeddings, models; "
+                              "vLLM's tokenize and detokenize) "
                               "served by the pagewise engine.")
     install_error_handlers(app)
-    for module in (info, completions, chat, tokenize):
+    for module in (info, completions, chat, embeddings, tokenize):
         app.include_router(module.router)
     install_openapi(app)
     # Starlette runs the middleware added last first: CORS (answers preflights), then the key

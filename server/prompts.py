@@ -63,16 +63,17 @@ class PromptTokenizer:
                 f"({num_bytes} bytes) is certainly longer than that: shorten it", param=param,
                 code="context_length_exceeded")
 
-    async def completion_prompts(self, prompt) -> list[Prompt]:
-        """`prompt` is a string, a list of strings, a token-id list or a list of those (shape-checked)."""
+    async def completion_prompts(self, prompt, param: str = "prompt") -> list[Prompt]:
+        """`prompt` is a string, a list of strings, a token-id list or a list of those (shape-checked);
+        errors name `param` (the request's field: prompt, or an embeddings input)."""
         items = prompt_items(prompt)
         for item in items:
             if not item:
-                raise bad_request("prompt must not be empty", param="prompt")
+                raise bad_request(f"{param} must not be empty", param=param)
             if isinstance(item, str):
-                self._check_bytes(len(item.encode("utf-8", "surrogatepass")), "prompt")
+                self._check_bytes(len(item.encode("utf-8", "surrogatepass")), param)
             elif len(item) >= self.max_model_len:
-                _too_long(len(item), self.max_model_len, "prompt")
+                _too_long(len(item), self.max_model_len, param)
         texts = [item for item in items if isinstance(item, str)]
         encoded = iter(await self._run(self._encode_all, texts) if texts else [])
         return [Prompt(item, next(encoded)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]

@@ -41,6 +41,18 @@ def _unsupported(what: str, value: Any, noop: tuple = (None,)) -> Any:
     raise ValueError(f"{what} is not supported yet")
 
 
+def _prompt_shape(v):
+    """A completions `prompt` or an embeddings `input`: one clear message for every wrong shape."""
+    def is_ids(x):
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(v, str) or is_ids(v):
+        return v
+    if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
+        return v
+    raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions, plus the engine's extras."""
 
@@ -122,14 +134,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, v):
-        def is_ids(x):
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-        if isinstance(v, str) or is_ids(v):
-            return v
-        if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
-            return v
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        return _prompt_shape(v)
 
     @field_validator("best_of")
     @classmethod
@@ -401,3 +406,44 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Any  # str | list[str] | list[int] | list[list[int]], as a completions prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: str | None = None
+    # Engine extra: how the final hidden states become one vector (both are L2-normalised).
+    pooling: Literal["last", "mean"] = "last"
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, v):
+        return _prompt_shape(v)
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, v):
+        return _unsupported("dimensions (the vector is the model's hidden size)", v)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32, for encoding_format base64
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -47,6 +47,15 @@ class LLM:
         return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], sampling_params,
                          use_tqdm)
 
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "last", use_tqdm: bool = True) -> list[list[float]]:
+        """One embedding per prompt: the final hidden states (after the last norm) of its last token
+        ("last") or their mean ("mean"), L2-normalised, as /v1/embeddings returns them."""
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling), use_tqdm)
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return [out.embedding for out in outs]
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

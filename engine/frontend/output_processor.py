@@ -39,6 +39,7 @@ class _Request:
     choices: list[_Choice]
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,8 @@ class OutputProcessor:
                 continue
             if out.prompt_logprobs is not None:
                 req.prompt_logprobs = out.prompt_logprobs
+            if out.embedding is not None:
+                req.embedding = out.embedding
             req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
             choice = req.choices[out.index]
             if choice.finish_reason is not None:
@@ -151,14 +154,14 @@ class OutputProcessor:
             outputs = [self._delta(req, i, item) for i, item in sorted(news.items())]
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # sent once, with the first delta
             return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
-                                  prompt_logprobs, req.num_cached_tokens, error)]
+                                  prompt_logprobs, req.num_cached_tokens, error, req.embedding)]
         for i, item in news.items():
             req.choices[i].pieces.append(item.text)
         if not req.finished:
             return []
         outputs = [self._final(req, i) for i in range(len(req.choices))]
         return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, True,
-                              req.prompt_logprobs, req.num_cached_tokens, error)]
+                              req.prompt_logprobs, req.num_cached_tokens, error, req.embedding)]
 
     @staticmethod
     def _delta(req: _Request, index: int, item: _News) -> CompletionOutput:

@@ -38,3 +38,9 @@ def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence, float32 [len, vocab]."""
     with torch.no_grad():
         return hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_hidden(path: str, token_ids: list[int]) -> torch.Tensor:
+    """Final hidden states (after the model's last norm) at every position, float64 [len, hidden]."""
+    with torch.no_grad():
+        return hf_model(path).model(torch.tensor([token_ids])).last_hidden_state[0].double()

@@ -28,6 +28,7 @@ class Run:
     fork: object
     stats: dict
     reports: list[dict]
+    embeddings: list[list[float]]
 
 
 def kv_budget_for(spec: ModelSpec, tp: int, pp: int) -> int:
@@ -46,8 +47,10 @@ def run(request, gqa_model) -> Run:
              **ENGINE_ARGS) as llm:
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         fork = llm.generate(PROMPTS[1], forked(), use_tqdm=False)[0]
+        stats, reports = llm.engine.stats(), llm.engine.runner.rank_reports()
+        embeddings = llm.embed(PROMPTS[:2], pooling="mean", use_tqdm=False)  # chunked: 32-token budget
         yield Run(tp, pp, spec, budget, [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], fork,
-                  llm.engine.stats(), llm.engine.runner.rank_reports())
+                  stats, reports, embeddings)
 
 
 def test_same_greedy_tokens_as_one_process(run, single_process_outputs):
@@ -65,6 +68,20 @@ def test_fork_and_prompt_logprobs_cross_ranks(run, single_process_outputs):
     for g, w in zip(got[1:], want[1:]):
         assert g.keys() == w.keys()
         assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+
+
+def test_embeddings_cross_ranks(run, gqa_model):
+    """Mean pooling sums the final hidden states over prefill chunks on the last stage's sampling
+    rank and ships the vector to rank 0: transformers' own states, normalised."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.engine.hf_oracle import hf_hidden
+
+    tok = AutoTokenizer.from_pretrained(gqa_model)
+    for text, got in zip(PROMPTS[:2], run.embeddings):
+        want = hf_hidden(gqa_model, tok(text).input_ids).mean(0)
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want / want.norm(), atol=2e-5, rtol=1e-4)
 
 
 def tied_head_copy_bytes(run) -> int:

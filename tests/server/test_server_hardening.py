@@ -76,8 +76,9 @@ def test_openapi_documents_request_bodies_and_errors(server):
         assert {"200", "400", "401", "413", "415", "500", "503"} <= set(op["responses"])
         assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
     assert "ChatMessage" in schemas and "ErrorResponse" in schemas
-    for path, model, field in [("/tokenize", "TokenizeRequest", "messages"), ("/detokenize", "DetokenizeRequest",
-                                                                             "tokens")]:
+    for path, model, field in [("/tokenize", "TokenizeRequest", "messages"),
+                               ("/detokenize", "DetokenizeRequest", "tokens"),
+                               ("/v1/embeddings", "EmbeddingRequest", "input")]:
         op = spec["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
         assert field in schemas[model]["properties"] and {"200", "400", "401"} <= set(op["responses"])

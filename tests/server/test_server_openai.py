@@ -217,3 +217,31 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server, tiny_model_dir):
     bare = post("/tokenize", {"messages": CHAT, "add_generation_prompt": False})
     assert bare["count"] < c["count"]
     assert post("/detokenize", {"tokens": t["tokens"]})["prompt"] == tok.decode(t["tokens"])
+
+
+def test_embeddings_with_the_official_client(server, client, tiny_model_dir):
+    """client.embeddings.create (which asks for base64 and decodes it) and a float request over
+    plain HTTP both give transformers' last final hidden state, normalised, per input."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = client.models.list().data[0].id
+    inputs = [PROMPT, "Hello world, again"]
+    r = client.embeddings.create(model=model, input=inputs)
+    assert [d.index for d in r.data] == [0, 1] and r.model == model
+    ids = [tok(t).input_ids for t in inputs]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for d, x in zip(r.data, ids):
+        with torch.no_grad():
+            h = hf.model(torch.tensor([x])).last_hidden_state[0, -1].double()
+        torch.testing.assert_close(torch.tensor(d.embedding, dtype=torch.float64), h / h.norm(), atol=2e-5, rtol=1e-4)
+    plain = httpx.post(server.url + "/v1/embeddings", json={"input": [ids[0]], "encoding_format": "float"},
+                       headers={"Authorization": "Bearer test-key-123"}, timeout=30).json()
+    assert plain["object"] == "list" and plain["data"][0]["object"] == "embedding"
+    torch.testing.assert_close(torch.tensor(plain["data"][0]["embedding"]), torch.tensor(r.data[0].embedding))
+    mean = client.embeddings.create(model=model, input=PROMPT, extra_body={"pooling": "mean"}).data[0].embedding
+    with torch.no_grad():
+        h = hf.model(torch.tensor([ids[0]])).last_hidden_state[0].double().mean(0)
+    torch.testing.assert_close(torch.tensor(mean, dtype=torch.float64), h / h.norm(), atol=2e-5, rtol=1e-4)
