@@ -15,6 +15,7 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import ModelSource
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
+from engine import structured_output
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SampledToken
@@ -48,6 +49,8 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
         v = getattr(params, name)
         if v is not None and v > max_logprobs:
             raise ValueError(f"{name} must be at most max_logprobs ({max_logprobs}), got {v}")
+    if params.structured_outputs is not None:
+        structured_output.check(params.structured_outputs)
 
 
 class EngineCore:

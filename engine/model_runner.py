@@ -74,6 +74,7 @@ class CachedRequestState(TokenSequence):
         self.penalty_state = None
         self.logit_bias_tensors = None
         self.pooled_sum: torch.Tensor | None = None  # mean pooling: the final hidden states so far
+        self.grammar = None  # structured output: its matcher, on the sampling rank (made at its first sample)
 
 
 class ModelRunner:
@@ -114,6 +115,7 @@ class ModelRunner:
         self.last_stage = pp_state().rank == pp_state().size - 1
         self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device)
                         if self.last_stage and tp_state().rank == 0 else None)
+        self.source = source  # the tokenizer, for grammars (built at the first constrained request)
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
@@ -288,20 +290,41 @@ class ModelRunner:
     def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
         """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
         stream whose own data makes it raise is failed."""
+        for state in streams:
+            if state.sampling_params.structured_outputs is not None and state.grammar is None:
+                try:
+                    state.grammar = self._grammars().matcher(state.sampling_params.structured_outputs,
+                                                             state.output_token_ids)
+                except Exception as e:
+                    self._failed(out, state, e)
         failed = {req_id for req_id, _ in out.failed}
         keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
         if len(keep) < len(streams):
             logits, streams = logits[keep], [streams[i] for i in keep]
         try:
-            out.sampled += zip((s.req_id for s in streams), self.sampler(logits, streams))
-            return
+            results = list(zip(streams, self.sampler(logits, streams)))
         except Exception:
             logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
-        for i, state in enumerate(streams):
-            try:
-                out.sampled.append((state.req_id, self.sampler(logits[i:i + 1], [state])[0]))
-            except Exception as e:
-                self._failed(out, state, e)
+            results = []
+            for i, state in enumerate(streams):
+                try:
+                    results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
+                except Exception as e:
+                    self._failed(out, state, e)
+        for state, token in results:
+            if state.grammar is not None and not state.grammar.accept_token(token.token_id):
+                # Only a grammar that allows nothing but a banned token gets here (say, EOS under min_tokens).
+                self._failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
+                continue
+            out.sampled.append((state.req_id, token))
+
+    def _grammars(self):
+        if self.sampler.grammars is None:
+            from engine.structured_output import StructuredOutputs
+
+            self.sampler.grammars = StructuredOutputs(self.source.tokenizer, self.hf_config.vocab_size,
+                                                      self.source.eos_token_ids)
+        return self.sampler.grammars
 
     def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
               ends: list) -> None:

@@ -1,5 +1,6 @@
 """Turn one logits row per sampling stream into a token, for the whole batch at once: penalties,
-logit_bias, min_tokens, then greedy or temperature / top-k / top-p / min-p sampling. Logprobs are of the
+logit_bias, min_tokens, grammar masks (structured output), then greedy or temperature / top-k /
+top-p / min-p sampling. Logprobs are of the
 model's own distribution (log_softmax of the raw logits, before penalties and temperature), as
 OpenAI reports them.
 
@@ -29,6 +30,7 @@ class Stream(Protocol):
     generator: torch.Generator | None
     penalty_state: PenaltyState | None
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None
+    grammar: object | None  # the stream's xgrammar matcher, when its output is constrained (read here, never advanced)
 
 
 class PenaltyState:
@@ -127,6 +129,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.grammars = None  # engine.structured_output.StructuredOutputs, set by the runner on first use
 
     def _generator(self, req: Stream) -> torch.Generator:
         if req.generator is None:
@@ -143,8 +146,9 @@ class Sampler:
                      if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
         banning = [i for i, (r, p) in enumerate(zip(reqs, params)) if len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        edits = bool(penalised or banning or biased)
+        edits = bool(penalised or banning or biased or constrained)
         if want_logprobs or edits or sampled:
             # float32 for everything but a plain argmax (which is exact on 16-bit logits too);
             # a copy when editing, so penalties and masks never touch the caller's tensor.
@@ -155,6 +159,8 @@ class Sampler:
             self._add_logit_bias(logits, reqs, biased)
         if banning:
             self._ban_stop_tokens(logits, reqs, banning)
+        if constrained:
+            self.grammars.mask(logits, [reqs[i].grammar for i in constrained], constrained)
         # max(dim).indices: the same first-maximum index as argmax, which on CPU is ~7x slower
         # for bfloat16 rows (measured: 6.9 vs 1.0 ms for 64 x 49152).
         tokens = logits.max(dim=-1).indices

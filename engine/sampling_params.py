@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 # Upper bounds taken from the OpenAI API where it sets one.
@@ -17,6 +18,45 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 100.0
 # An embedding request's pooling of the final hidden states: the last prompt token's, or the mean.
 POOLINGS = ("last", "mean")
+
+
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint: `kind` is one of GRAMMAR_KINDS; `spec` its text (a JSON schema as JSON text,
+    a regex, the choices as a JSON list, an EBNF grammar; "" for json_object). Hashable: the
+    compiled grammar is cached by it."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True  # json: no properties beyond the schema's (OpenAI's `strict`)
+
+    @classmethod
+    def of(cls, kind: str, value, strict: bool = True, field: str = "structured_outputs") -> GrammarSpec:
+        """From a request's value: a schema dict (or its JSON text), a regex, a list of choices, a
+        grammar. Errors start with `field`, the request's name for it."""
+        if kind not in GRAMMAR_KINDS:
+            raise ValueError(f"{field} must use one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{field}: the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{field}: the JSON schema must be an object")
+            return cls(kind, json.dumps(value), strict)  # property order kept: the output follows it
+        if kind == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+                raise ValueError(f"{field}: choice must be a non-empty list of non-empty strings")
+            return cls(kind, json.dumps(value))
+        if kind == "json_object":
+            return cls(kind)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{field}: {kind} must be a non-empty string")
+        return cls(kind, value)
 
 
 @dataclass
@@ -43,6 +83,8 @@ class SamplingParams:
     # Set: an embedding request. The prompt runs, nothing is generated, and the request ends with
     # the pooled, L2-normalised final hidden states (RequestOutput.embedding).
     pooling: str | None = None
+    # Set: every sampled token must keep the output inside this grammar (engine/structured_output.py).
+    structured_outputs: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +140,8 @@ class SamplingParams:
         check(self.pooling is None or self.pooling in POOLINGS, "pooling", f"None or one of {', '.join(POOLINGS)}")
         if self.pooling is not None:
             check(self.n == 1, "n", "1 for an embedding request (pooling set)")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, GrammarSpec),
+              "structured_outputs", "None or a GrammarSpec (GrammarSpec.of(kind, value))")
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             v = getattr(self, name)
             check(v is None or (is_int(v) and v >= 0), name, "None or a non-negative integer")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from engine.sampling_params import GRAMMAR_KINDS, SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams
 
 
 def _integral_float(v: Any) -> Any:
@@ -77,6 +77,13 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -98,6 +105,45 @@ class _SamplingRequest(_Request):
         return v
 
     @property
+    def grammar_field(self) -> str:
+        """The field this request's constraint came in (errors about it name that field)."""
+        try:
+            return self._grammar()[0] or "structured_outputs"
+        except ValueError:  # reported, naming its field, when the sampling parameters are built
+            return "structured_outputs"
+
+    def _grammar(self) -> tuple[str | None, GrammarSpec | None]:
+        """(field, constraint) from whichever of the structured-output fields is set; at most one."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", GrammarSpec.of("json_object", None, field="response_format")))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not (isinstance(js, dict) and isinstance(js.get("schema"), dict)):
+                    raise ValueError("response_format: json_schema needs {'json_schema': {'name': ..., 'schema': "
+                                     "{...}}}")
+                strict = js.get("strict") is not False
+                found.append(("response_format", GrammarSpec.of("json", js["schema"], strict, field="response_format")))
+            elif kind != "text":
+                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        for key, value in (self.structured_outputs or {}).items():
+            if value is None or value is False:
+                continue
+            if key not in GRAMMAR_KINDS:
+                raise ValueError(f"structured_outputs: unknown key {key!r}; use one of {', '.join(GRAMMAR_KINDS)}")
+            found.append(("structured_outputs", GrammarSpec.of(key, value)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, GrammarSpec.of(kind, getattr(self, name), field=name)))
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one output constraint per request, and {found[0][0]} sets one too")
+        return found[0] if found else (None, None)
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -109,6 +155,7 @@ class _SamplingRequest(_Request):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured_outputs=self._grammar()[1],
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -203,7 +250,6 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("tools", "functions")
     @classmethod
@@ -214,13 +260,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _no_tool_choice(cls, v, info):
         return _unsupported("tool calling", v, noop=(None, "none"))
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v):
-        if v is None or v == {"type": "text"}:
-            return v
-        raise ValueError(f"type {v.get('type')!r} is not supported yet: only 'text'")
 
     @field_validator("top_logprobs")
     @classmethod

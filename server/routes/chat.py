@@ -30,7 +30,8 @@ async def create_chat_completion(request: Request):
     prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages])
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
                                     field=body.max_tokens_field, prompt_field="messages")
-    renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages"}
+    renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",
+               "structured_outputs": body.grammar_field}
     with engine_errors(), sampling_errors(renames=renames):
         params = body.to_sampling_params(max_tokens)
         state.engine.check_request(prompt.token_ids, params)

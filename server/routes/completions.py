@@ -30,7 +30,7 @@ async def create_completion(request: Request):
     params = []
     for p in prompts:
         max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len)
-        with engine_errors(), sampling_errors():
+        with engine_errors(), sampling_errors(renames={"structured_outputs": body.grammar_field}):
             params.append(body.to_sampling_params(max_tokens))
             state.engine.check_request(p.token_ids, params[-1])
 

@@ -3,6 +3,7 @@ usage, stop sequences, echo, and the info endpoints."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -245,3 +246,32 @@ def test_embeddings_with_the_official_client(server, client, tiny_model_dir):
     with torch.no_grad():
         h = hf.model(torch.tensor([ids[0]])).last_hidden_state[0].double().mean(0)
     torch.testing.assert_close(torch.tensor(mean, dtype=torch.float64), h / h.norm(), atol=2e-5, rtol=1e-4)
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+         "required": ["color", "ok"], "additionalProperties": False}
+
+
+def test_structured_output_through_every_door(client):
+    """response_format json_schema (streamed and not, n=2), vLLM's structured_outputs and its
+    older guided_* fields: each output follows its constraint (jsonschema / the regex as oracle),
+    even from the tiny random model."""
+    import re
+
+    import jsonschema
+
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": COLOR, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=1.0, seed=2, n=2,
+                                       response_format=fmt)
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), COLOR)
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=0,
+                                            response_format=fmt, stream=True)
+    jsonschema.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)), COLOR)
+    c = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5,
+                                  extra_body={"structured_outputs": {"regex": "[a-c]{2}-[0-9]"}})
+    assert re.fullmatch("[a-c]{2}-[0-9]", c.choices[0].text)
+    g = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert g.choices[0].text in ("left", "right")

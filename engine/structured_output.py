@@ -1,0 +1,102 @@
+"""Structured output: a grammar that the sampled tokens must follow, with xgrammar.
+
+xgrammar (what vLLM and SGLang use) compiles a JSON schema, a regex, a choice list or an EBNF
+grammar once into a token-level automaton, and answers, per step and per stream, which tokens
+may come next as a bitmask over the vocabulary, in microseconds for JSON. Here:
+
+- `check` (the core's admission, before anything is queued) parses the spec without a tokenizer,
+  so a bad schema or regex is a ValueError naming `structured_outputs`;
+- `StructuredOutputs` (the sampling rank's runner) compiles each distinct spec once (a cache keyed
+  by its text), gives each constrained stream its own matcher, masks the batch's logits before
+  sampling, and advances a matcher with the token its stream accepted.
+
+JSON is generated compact (no free whitespace between tokens): a model may otherwise emit
+whitespace for as long as it likes, and small models do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.sampling_params import GrammarSpec
+
+INSTALL = "pip install xgrammar"
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(f"structured_outputs needs the xgrammar package: {INSTALL}") from e
+    return xgrammar
+
+
+def _grammar(xgr, spec: GrammarSpec):
+    """The spec as an xgrammar Grammar (no tokenizer needed); raises ValueError naming the field."""
+    try:
+        if spec.kind == "json":
+            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=spec.strict)
+        if spec.kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.spec)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
+        return xgr.Grammar.from_ebnf(spec.spec)
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
+        raise ValueError(f"structured_outputs: the {spec.kind} could not be compiled: {e}") from None
+
+
+def _unenforced(schema) -> str | None:
+    """A keyword combination xgrammar accepts but does not enforce (found by the tests' jsonschema
+    oracle): a string's pattern wins over its minLength / maxLength. Refused rather than ignored."""
+    if isinstance(schema, dict):
+        if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+            return "a string with both pattern and minLength/maxLength (put the length in the pattern, e.g. {2,4})"
+        children = schema.values()
+    elif isinstance(schema, list):
+        children = schema
+    else:
+        return None
+    return next((found for c in children if (found := _unenforced(c)) is not None), None)
+
+
+def check(spec: GrammarSpec) -> None:
+    """Parse the spec once at admission, so that a bad one is refused before it reaches a step."""
+    if spec.kind == "json" and (found := _unenforced(json.loads(spec.spec))) is not None:
+        raise ValueError(f"structured_outputs: the JSON schema has {found}, which is not enforced")
+    _grammar(_xgrammar(), spec)
+
+
+class StructuredOutputs:
+    """The sampling rank's grammars: compiled once per spec, one matcher per constrained stream."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        xgr = _xgrammar()
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: dict[GrammarSpec, object] = {}
+
+    def matcher(self, spec: GrammarSpec, accepted: list[int]):
+        """A fresh matcher for a stream, advanced over the tokens it already has."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = self._compiled[spec] = self.compiler.compile_grammar(_grammar(self.xgr, spec))
+        m = self.xgr.GrammarMatcher(compiled)
+        for token in accepted:
+            if not m.accept_token(token):
+                raise ValueError("a stream's earlier tokens do not follow its grammar")
+        return m
+
+    def mask(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:
+        """Set to -inf, in place, every token that `matchers[i]` does not allow next in row rows[i].
+        Reads the matchers only: a retried batch masks the same way."""
+        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        for m, row in zip(matchers, rows):
+            m.fill_next_token_bitmask(bitmask, row)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
+                                             indices=rows)
