@@ -323,7 +323,7 @@ class ModelRunner:
             from engine.structured_output import StructuredOutputs
 
             self.sampler.grammars = StructuredOutputs(self.source.tokenizer, self.hf_config.vocab_size,
-                                                      self.source.eos_token_ids)
+                                                      self.source.eos_token_ids, self.backend.apply_token_bitmask)
         return self.sampler.grammars
 
     def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,

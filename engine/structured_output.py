@@ -73,9 +73,12 @@ def check(spec: GrammarSpec) -> None:
 class StructuredOutputs:
     """The sampling rank's grammars: compiled once per spec, one matcher per constrained stream."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], apply_bitmask):
+        """`apply_bitmask`: the kernel backend's apply_token_bitmask (xgrammar's own CPU one took
+        6.4 ms for 32 x 49,152 logits; the C++ one skips the words a grammar allows whole)."""
         xgr = _xgrammar()
         self.xgr = xgr
+        self.apply_bitmask = apply_bitmask
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -95,8 +98,7 @@ class StructuredOutputs:
     def mask(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:
         """Set to -inf, in place, every token that `matchers[i]` does not allow next in row rows[i].
         Reads the matchers only: a retried batch masks the same way."""
-        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # all allowed
         for m, row in zip(matchers, rows):
             m.fill_next_token_bitmask(bitmask, row)
-        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                             indices=rows)
+        self.apply_bitmask(logits, bitmask.to(logits.device))

@@ -104,6 +104,7 @@ class Backend:
     pack_linear_weight: Callable  # (weight) -> packed copy or None
     linear: Callable  # (x, weight, bias=None, packed=None) -> x @ weight.T + bias
     padded_num_tokens: Callable  # (n) -> rows to run a step of n tokens as; the rows past n are padding
+    apply_token_bitmask: Callable  # (logits [B, V] float32, bitmask [B, ceil(V/32)] int32) -> None, in place
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -125,7 +126,8 @@ def _torch_backend() -> Backend:
 
     r = reference
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
-                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding)
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
+                   r.apply_token_bitmask)
 
 
 def _cpu_backend() -> Backend:
@@ -135,7 +137,8 @@ def _cpu_backend() -> Backend:
         return c.linear(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
 
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
-                   c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens)
+                   c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens,
+                   c.apply_token_bitmask)
 
 
 def _triton_backend() -> Backend:
@@ -155,7 +158,8 @@ def _triton_backend() -> Backend:
 
     r = reference
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
-                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding)
+                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
+                   r.apply_token_bitmask)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}

@@ -490,10 +490,41 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
 
 }  // namespace
 
+// ---- structured output: mask the tokens a grammar forbids ----------------------------------------
+
+// logits [rows, vocab] float32; bitmask [rows, ceil(vocab / 32)] int32, bit j of word w set when
+// token 32 * w + j is allowed (xgrammar's layout). Forbidden tokens become -inf, in place. A word
+// of all ones (most of a JSON grammar's vocabulary, mid-string) is skipped at once.
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "apply_token_bitmask_: logits must be contiguous float32 [rows, vocab]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask_: bitmask must be contiguous int32 [rows, >= vocab / 32]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  float* l = logits.data_ptr<float>();
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = l + r * vocab;
+      const uint32_t* mask = b + r * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        uint32_t allowed = mask[w];
+        if (allowed == 0xffffffffu) continue;
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        for (int64_t j = 0; j < n; ++j)
+          if (!((allowed >> j) & 1u)) row[base + j] = ninf;
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store keys and values at their slots");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "set the tokens a grammar's bitmask forbids to -inf, in place");
   m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
 }

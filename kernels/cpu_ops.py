@@ -122,5 +122,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place; skips the 32-token words a grammar allows whole (reference.apply_token_bitmask)."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        return reference.apply_token_bitmask(logits, bitmask)
+    load().apply_token_bitmask_(logits, bitmask.contiguous())
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return load().silu_and_mul(x.contiguous())

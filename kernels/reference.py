@@ -178,3 +178,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] = [gate | up] -> silu(gate) * up (SwiGLU)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output: set to -inf, in place, the tokens each row's bitmask forbids. bitmask
+    [rows, ceil(vocab / 32)] int32, bit j of word w set when token 32 * w + j is allowed
+    (xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :logits.shape[1]]
+    logits.masked_fill_(allowed == 0, float("-inf"))

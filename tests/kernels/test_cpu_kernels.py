@@ -240,3 +240,23 @@ def test_padded_step_sizes_are_few_and_close():
     assert all(n <= p <= n + n // 8 for n, p in enumerate(sizes, 1))
     assert sizes[:16] == list(range(1, 17)) and sizes == sorted(sizes)
     assert all(padded_num_tokens(p) == p for p in set(sizes))  # a padded size is its own size
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 1000, 49152])
+def test_apply_token_bitmask_matches_reference(vocab):
+    """Random masks (whole words allowed, whole words forbidden, mixed) over random logits: the
+    C++ op and the reference set exactly the same tokens to -inf and leave the rest untouched."""
+    gen = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # all allowed (an unconstrained row)
+    bitmask[2] = 0  # nothing allowed
+    bitmask[3, ::2] = -1
+    logits = torch.randn(6, vocab, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    reference.apply_token_bitmask(want, bitmask)
+    kernels.get_backend("cpu").apply_token_bitmask(got, bitmask)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], logits[1]) and bool(torch.isinf(got[2]).all())
+    bits = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]  # the definition, bit by bit
+    assert [not torch.isinf(got[0, t]) for t in range(vocab)] == [bool(b) for b in bits]
