@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+
 import torch
 
 import kernels
@@ -265,8 +266,12 @@ class ModelRunner:
                 if sample_rows:
                     rows = torch.tensor(sample_rows, device=dev)
                     logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
-                prompt_logits = [(state, first, self.model.compute_logits(
-                    self.model.final_hidden(hidden[a:b], residual[a:b])).float()) for state, first, a, b in prompt_rows]
+                # Every TP rank of the last stage computes the logits (the vocabulary is gathered
+                # across them); only the sampling rank reads them.
+                prompt_logits = []
+                for state, first, a, b in prompt_rows:
+                    h = self.model.final_hidden(hidden[a:b], residual[a:b])
+                    prompt_logits.append((state, first, self.model.compute_logits(h).float()))
                 if self.sampler is not None:
                     out = ModelRunnerOutput()
                     for state, first, rows in prompt_logits:
@@ -335,11 +340,14 @@ class ModelRunner:
             part = self.model.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
             state.pooled_sum = part if start == 0 else state.pooled_sum + part
         for state, row in ends:
-            if state.sampling_params.pooling == "mean":
-                vector = state.pooled_sum / state.num_prompt_tokens
-            else:
-                vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
-            out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
+            try:
+                if state.sampling_params.pooling == "mean":
+                    vector = state.pooled_sum / state.num_prompt_tokens
+                else:
+                    vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
+                out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
+            except Exception as e:
+                self._failed(out, state, e)
 
     @staticmethod
     def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
