@@ -20,6 +20,7 @@ from server.metrics import ServerMetrics
 from server.openapi import install_openapi
 from server.prompts import PromptTokenizer
 from server.routes import chat, completions, embeddings, info, tokenize
+from server.tool_calls import ToolConfig
 from server.state import ServerState
 
 logger = logging.getLogger("pagewise.server")
@@ -32,12 +33,13 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
               allowed_origins: list[str] | None = None, protect_metrics: bool = False,
-              exit_on_engine_death: bool = False) -> FastAPI:
+              exit_on_engine_death: bool = False, tools: ToolConfig | None = None) -> FastAPI:
     """`engine` is an AsyncEngine (or anything with its interface); it is started by the app's
     lifespan, so the model loads before the first request is accepted.
 
     allowed_origins: browser origins allowed to call the API (CORS); None keeps CORS closed.
     protect_metrics: /metrics needs the API key too (by default Prometheus scrapes it openly).
+    tools: --enable-auto-tool-choice and --tool-call-parser (server/tool_calls.py).
     exit_on_engine_death: when the engine loop dies (a failed forward, a dead worker), stop the
     server process (SIGTERM to itself) so that a supervisor restarts it; /health says why meanwhile."""
 
@@ -48,7 +50,8 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
         prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         app.state.pagewise = ServerState(engine=engine, served_model_name=name,
                                          metrics=ServerMetrics(engine, name),
-                                         token_texts=TokenTexts(engine.tokenizer), prompts=prompts)
+                                         token_texts=TokenTexts(engine.tokenizer), prompts=prompts,
+                                         tools=tools or ToolConfig())
         if exit_on_engine_death:
             engine.on_death(_exit_for_restart)
         logger.info("engine ready: model %s (max_model_len %d)", name, engine.max_model_len)

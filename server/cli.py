@@ -22,6 +22,7 @@ import socket
 import sys
 
 from engine.arg_utils import add_engine_args, add_model_positional, engine_config_from_args
+from server.tool_calls import PARSERS, ToolConfig
 
 logger = logging.getLogger("pagewise.server")
 
@@ -65,6 +66,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS, default=None,
                    metavar="LEVEL", help=f"uvicorn's own logs: {', '.join(UVICORN_LOG_LEVELS)} "
                                          "(default: the same as --log-level)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let requests use tool_choice 'auto': the model decides, and --tool-call-parser finds "
+                        "its calls in the text (named functions and 'required' work without it)")
+    g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
+                        "</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
     add_engine_args(parser)  # every EngineConfig field, generated from the dataclass
     parser.set_defaults(func=serve)
     return parser
@@ -126,6 +133,9 @@ def serve(args: argparse.Namespace) -> int:
 
     log_level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return _error(ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
+                                 "it says how this model writes its calls"))
     try:
         config = engine_config_from_args(args)
         sock = bind_socket(args.host, args.port)
@@ -168,7 +178,7 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
-                    exit_on_engine_death=True)
+                    exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
     uv_config = uvicorn.Config(app, http=JSONErrorH11Protocol, log_level=args.uvicorn_log_level or log_level.lower(),
                                # uvicorn's own backstop, after our drain has aborted what was left
                                timeout_graceful_shutdown=args.shutdown_timeout + 10)

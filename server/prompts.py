@@ -88,15 +88,17 @@ class PromptTokenizer:
         return Prompt(text, (await self._run(self._encode_all, [text], add_special_tokens))[0])
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> Prompt:
+                          add_special_tokens: bool = False, tools: list | None = None) -> Prompt:
+        """`tools`: the request's function definitions, for templates that render them."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
-        return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens)
+        return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens, tools)
 
-    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> Prompt:
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                        tools: list | None = None) -> Prompt:
         try:
-            text = self._tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self._tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                        add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
             raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e

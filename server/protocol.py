@@ -2,12 +2,13 @@
 
 Requests are strict: a wrong type is an error, not a coercion ("5" is not 5), and any field
 we do not implement is a 400 that names it, never silently dropped. Fields that exist in
-OpenAI's API but that we do not support yet are accepted only at their no-op value
-(`tools: []`, `response_format: {"type": "text"}`, ...).
+OpenAI's API but that we do not support are accepted only at their no-op value
+(`functions: []`, `suffix: ""`, ...).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -197,7 +198,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 # --------------------------------------------------------------------------- chat
-CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer: OpenAI's newer name for system
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # developer: OpenAI's newer name for system
 
 
 class ContentPart(BaseModel):
@@ -216,26 +217,62 @@ class ContentPart(BaseModel):
 
 class ChatMessage(_Request):
     role: str
-    content: str | list[ContentPart]
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as the API returned them
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    # None only for an assistant turn that made tool calls (checked after the fields above).
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role):
-        if role in ("tool", "function"):
-            raise ValueError(f"role {role!r} is not supported yet (no tool calling)")
+        if role == "function":
+            raise ValueError("role 'function' is OpenAI's deprecated form: send role 'tool' with tool_call_id")
         if role not in CHAT_ROLES:
-            raise ValueError(f"unknown role {role!r}: use one of system, user, assistant")
+            raise ValueError(f"unknown role {role!r}: use one of system, user, assistant, tool")
         return role
 
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, v, info):
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("Field required (only an assistant turn with tool_calls may omit content)")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant turns")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool turn needs the tool_call_id it answers")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
     def to_template(self) -> dict:
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        """The turn as chat templates read it (transformers' convention: a call's arguments as an
+        object, a tool turn's tool_call_id)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _template_call(call: dict) -> dict:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass  # left as the text it is
+    return {"type": "function", "id": call.get("id"), "function": fn}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -244,22 +281,23 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[Int | None, Field(ge=0)] = None  # at most the engine's max_logprobs
-    # Not supported yet: accepted only at their no-op values.
+    # Tool calling (server/tool_calls.py checks them against the server's flags).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of the same: accepted only at their no-op values.
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v, info):
-        return _unsupported("tool calling", v, noop=(None, []))
+    def _no_functions(cls, v, info):
+        return _unsupported("functions (deprecated: send tools)", v, noop=(None, []))
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
-        return _unsupported("tool calling", v, noop=(None, "none"))
+    def _no_function_call(cls, v, info):
+        return _unsupported("function_call (deprecated: send tool_choice)", v, noop=(None, "none"))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -328,17 +366,29 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -352,9 +402,30 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler):
@@ -365,7 +436,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

@@ -12,6 +12,7 @@ from server.errors import APIError, bad_request
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.prompts import PromptTokenizer
+from server.tool_calls import ToolConfig
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ServerState:
     metrics: ServerMetrics
     token_texts: TokenTexts
     prompts: PromptTokenizer
+    tools: ToolConfig = field(default_factory=ToolConfig)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

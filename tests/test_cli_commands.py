@@ -345,3 +345,9 @@ def test_chat_template_reaches_the_engine(tiny, capsys):
 
     with LLM(tiny, kv_cache_memory=16 << 20, chat_template=template) as llm:
         assert llm.tokenizer.chat_template == template
+
+
+def test_auto_tool_choice_without_a_parser_fails_fast(tiny, capsys):
+    assert main(["serve", tiny, "--port", "0", "--enable-auto-tool-choice"]) == 2
+    line = one_line_error(capsys.readouterr().err, "serve")
+    assert "--tool-call-parser" in line

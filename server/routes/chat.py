@@ -1,7 +1,9 @@
-"""POST /v1/chat/completions: messages -> chat template -> one engine request with n choices."""
+"""POST /v1/chat/completions: messages (and tools) -> chat template -> one engine request with n
+choices; tool calls (server/tool_calls.py) come back as `tool_calls`, whole or streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import APIRouter, Request
@@ -11,8 +13,10 @@ from engine.outputs import RequestOutput
 from server.logprobs import chat_logprobs
 from server.openapi import route_docs
 from server.prompts import resolve_max_tokens
+from server import tool_calls
 from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo)
+                             ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage,
+                             DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
 from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
 from server.sse import DONE, event, sse_response
 from server.state import ServerState, get_state
@@ -27,19 +31,26 @@ async def create_chat_completion(request: Request):
     body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
     state.check_model(body.model)
     state.check_admissible(1, body.n)
-    prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages])
+    with sampling_errors():
+        plan = tool_calls.plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.tools)
+    prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], tools=body.tools)
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
                                     field=body.max_tokens_field, prompt_field="messages")
     renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",
-               "structured_outputs": body.grammar_field}
+               "structured_outputs": "tools" if plan.grammar else body.grammar_field}
     with engine_errors(), sampling_errors(renames=renames):
         params = body.to_sampling_params(max_tokens)
+        if plan.grammar is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output itself: drop "
+                                 f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
+            params = dataclasses.replace(params, structured_outputs=plan.grammar)
         state.engine.check_request(prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
     stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),
                                  params.n)
-    render = _Renderer(state, body, request_id)
+    render = _Renderer(state, body, request_id, plan)
     try:
         with engine_errors():
             (stream,) = await unless_disconnected(request, primed_all([stream]))
@@ -51,11 +62,19 @@ async def create_chat_completion(request: Request):
     return Response(render.response(final).model_dump_json(), media_type="application/json")
 
 
+@dataclasses.dataclass
+class _ToolStream:
+    text: str = ""  # the choice's text so far
+    sent: int = 0  # how much of it went out as content ("auto")
+    called: bool = False  # a tool call went out
+
+
 class _Renderer:
     """Engine outputs (cumulative) -> chat.completion responses and chat.completion.chunk deltas."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str):
-        self.state, self.body, self.id = state, body, request_id
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, plan: tool_calls.Plan):
+        self.state, self.body, self.id, self.plan = state, body, request_id, plan
+        self.parser = state.tools.parser
         self.created = int(time.time())
         self.model = state.served_model_name
 
@@ -70,22 +89,61 @@ class _Renderer:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
+    def _finish(self, calls: list, reason: str | None) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c.token_ids, c.logprobs),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            content, calls = tool_calls.calls_from_text(self.plan, c.text, self.parser)
+            message = ChatResponseMessage(content=content, tool_calls=[
+                ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
+                                      finish_reason=self._finish(calls, c.finish_reason), stop_reason=c.stop_reason))
         usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=usage)
+
+    def _tool_deltas(self, c, st: _ToolStream):
+        """The DeltaMessages for this piece of a choice's text in a tool mode."""
+        st.text += c.text
+        if self.plan.mode == "named":
+            if not st.called:
+                st.called = True
+                call = tool_calls.ToolCall(self.plan.name, "")
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=call.id, type="function",
+                                                             function=DeltaFunctionCall(name=call.name, arguments=""))])
+            if c.text:
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c.text))])
+            return
+        if self.plan.mode == "auto" and c.finish_reason is None:
+            safe = tool_calls.may_start_call(self.parser, st.text)
+            if safe > st.sent:
+                yield DeltaMessage(content=st.text[st.sent:safe])
+                st.sent = safe
+            return
+        if c.finish_reason is None:
+            return  # "required": the array goes out whole, once it is complete
+        content, calls = tool_calls.calls_from_text(self.plan, st.text, self.parser)
+        if calls:
+            st.called = True
+            yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=t.id, type="function",
+                                                         function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
+                                           for i, t in enumerate(calls)])
+        elif len(st.text) > st.sent:  # no call after all: the held-back text is content
+            yield DeltaMessage(content=st.text[st.sent:])
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                          usage=usage))
 
     async def events(self, stream):
-        """Each delta as chunks: the role first, then content (and logprobs), then finish_reason."""
+        """Each delta as chunks: the role first, then content (and logprobs) or tool-call deltas,
+        then finish_reason. A named function's arguments stream as generated; "required" calls
+        go out whole when the choice ends; with "auto", content streams until what may be a
+        call's start, which is held back and parsed when the choice ends."""
         started: set[int] = set()  # choices whose role chunk went out
+        tools: dict[int, _ToolStream] = {}  # tool modes: each choice's text and what went out
         prompt_tokens = completion_tokens = 0
         try:
             async for output in stream:
@@ -96,12 +154,19 @@ class _Renderer:
                         started.add(c.index)
                         yield self._chunk([ChatStreamChoice(index=c.index,
                                                             delta=DeltaMessage(role="assistant", content=""))])
-                    if c.text or (c.token_ids and self.body.logprobs):
-                        yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                            logprobs=self._logprobs(c.token_ids, c.logprobs))])
+                    if self.plan.mode == "none":
+                        if c.text or (c.token_ids and self.body.logprobs):
+                            yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                                logprobs=self._logprobs(c.token_ids, c.logprobs))])
+                        calls = []
+                    else:
+                        st = tools.setdefault(c.index, _ToolStream())
+                        for delta in self._tool_deltas(c, st):
+                            yield self._chunk([ChatStreamChoice(index=c.index, delta=delta)])
+                        calls = [None] if st.called else []
                     if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                            finish_reason=c.finish_reason,
+                                                            finish_reason=self._finish(calls, c.finish_reason),
                                                             stop_reason=c.stop_reason)])
             if self.body.include_usage:
                 yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens))

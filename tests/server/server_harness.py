@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 API_KEY = "test-key-123"
 MAX_BODY_BYTES = 65536
 # Small, fixed KV pool: fast to allocate, and leaves no doubt about what "no blocks in use" means.
-TINY_SERVER_ARGS = ["--num-kv-blocks", "2048", "--max-body-bytes", str(MAX_BODY_BYTES), "--num-threads", "1"]
+TINY_SERVER_ARGS = ["--num-kv-blocks", "2048", "--max-body-bytes", str(MAX_BODY_BYTES), "--num-threads", "1",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def clean_env() -> dict:

@@ -1,0 +1,184 @@
+"""Tool calling for /v1/chat/completions, as OpenAI specifies it and vLLM serves it.
+
+What a request's `tools` and `tool_choice` turn into (`plan`):
+- "none" (or no tools): plain generation; the tools still reach the chat template.
+- a named function: the output is constrained to the function's parameters schema (structured
+  output), and all of it is that call's `arguments`: always parses, streams as it is generated.
+- "required": the output is constrained to a JSON array of calls, [{"name": ..., "parameters":
+  {...}}, ...] (one at most unless parallel_tool_calls), each against its function's schema.
+- "auto": free generation, then the server's `--tool-call-parser` finds calls in the text
+  (needs `--enable-auto-tool-choice`, as in vLLM): hermes / Qwen `<tool_call>{json}</tool_call>`
+  blocks, or Llama 3's bare JSON object(s) `{"name": ..., "parameters": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from engine.sampling_params import GrammarSpec
+
+PARSERS = ("hermes", "llama3_json")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+HERMES_START = "<tool_call>"
+LLAMA_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolConfig:
+    """The server's flags: --enable-auto-tool-choice and --tool-call-parser."""
+
+    enable_auto: bool = False
+    parser: str | None = None
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # none | named | required | auto
+    grammar: GrammarSpec | None = None
+    name: str | None = None  # the named function
+
+
+def _functions(tools: list) -> dict[str, dict]:
+    """name -> parameters schema; raises ValueError naming `tools`."""
+    out = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                             "{...}}}}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out[fn["name"]] = params
+    return out
+
+
+def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolConfig) -> Plan:
+    """What this request's tools and tool_choice ask for; ValueError (naming the field) if they
+    cannot be served."""
+    functions = _functions(tools or [])
+    if tool_choice is None:
+        tool_choice = "auto" if functions else "none"
+    if tool_choice == "none":
+        return Plan("none")
+    if not functions:
+        raise ValueError("tool_choice needs tools: give the functions the model may call")
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if name not in functions:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
+                             f"({', '.join(functions)})")
+        return Plan("named", GrammarSpec.of("json", functions[name], field="tools"), name)
+    if tool_choice == "required":
+        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                            "required": ["name", "parameters"], "additionalProperties": False}
+                           for n, p in functions.items()]}
+        schema = {"type": "array", "items": calls, "minItems": 1}
+        if parallel is False:
+            schema["maxItems"] = 1
+        return Plan("required", GrammarSpec.of("json", schema, field="tools"))
+    if tool_choice == "auto":
+        if not (config.enable_auto and config.parser):
+            raise ValueError("tool_choice 'auto' needs the server started with --enable-auto-tool-choice and "
+                             "--tool-call-parser (or use 'required' or a named function)")
+        return Plan("auto")
+    raise ValueError(f"tool_choice must be none, auto, required or {{'type': 'function', 'function': "
+                     f"{{'name': ...}}}}, got {tool_choice!r}")
+
+
+def calls_from_text(p: Plan, text: str, parser: str | None) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished choice's text."""
+    if p.mode == "named":
+        return None, [ToolCall(p.name, text)]
+    if p.mode == "required":
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut off by max_tokens before the array closed
+        return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in calls]
+    if p.mode == "auto":
+        return parse(parser, text)
+    return text, []
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """Find tool calls in free text with `parser`; text that holds none is all content."""
+    if parser == "hermes":
+        calls = []
+        for block in _HERMES.findall(text):
+            call = _call(block)
+            if call is None:
+                return text, []  # a malformed block: leave the text to the client, as it is
+            calls.append(call)
+        if not calls:
+            return text, []
+        content = _HERMES.sub("", text).strip()
+        return content or None, calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix(LLAMA_TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = [_call(part) for part in _split_json_objects(body)]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return None, calls
+    raise ValueError(f"unknown tool-call parser {parser!r}: one of {', '.join(PARSERS)}")
+
+
+def _call(text: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def _split_json_objects(text: str) -> list[str]:
+    """Llama 3 may write several calls one after another, separated by ';' or whitespace."""
+    decoder, parts, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \n\t;":
+            i += 1
+        if i == len(text):
+            break
+        try:
+            _, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return [text]  # not a sequence of objects: _call fails on it and the text stays content
+        parts.append(text[i:end])
+        i = end
+    return parts
+
+
+def may_start_call(parser: str, text: str) -> int:
+    """Streaming with "auto": how much of `text` (the choice's text so far) is surely content. A
+    call's start, or what could still become one, is held back until the choice ends."""
+    if parser == "hermes":
+        at = text.find(HERMES_START)
+        if at >= 0:
+            return at
+        for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):  # a partial '<tool_call' at the end
+            if HERMES_START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+    stripped = text.lstrip()
+    if not stripped or stripped[0] == "{" or LLAMA_TAG.startswith(stripped[:len(LLAMA_TAG)]):
+        return 0  # a Llama 3 call is the whole message
+    return len(text)

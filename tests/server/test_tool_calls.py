@@ -1,0 +1,163 @@
+"""Tool calling: the parsers and the request plan on their own, then through a real server and
+the official openai client: a named function (whole and streamed, arguments validated against
+its schema by jsonschema), "required" (parallel and not), "auto" with the hermes parser (the
+model's text forced into a call through a regex, then parsed), and a conversation that carries
+the calls and the tool's answer into the next turn."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from server.tool_calls import Plan, ToolConfig, calls_from_text, may_start_call, parse, plan
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                "unit": {"enum": ["C", "F"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# ---- parsers and plans -------------------------------------------------------------------------------
+
+
+def test_hermes_parser():
+    content, calls = parse("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                     '{"city": "Paris"}}\n</tool_call><tool_call>{"name": "get_time", '
+                                     '"arguments": {"zone": "UTC"}}</tool_call>')
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_time", {"zone": "UTC"})]
+    assert parse("hermes", "no call here") == ("no call here", [])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse("hermes", broken) == (broken, [])
+
+
+def test_llama3_json_parser():
+    _, calls = parse("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                                    '{"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"}),
+                                                                   ("get_time", {"zone": "CET"})]
+    assert parse("llama3_json", "Hello {there}") == ("Hello {there}", [])
+    assert parse("llama3_json", '{"no": "name"}') == ('{"no": "name"}', [])
+
+
+def test_streaming_holds_back_what_may_start_a_call():
+    assert may_start_call("hermes", "Sure. <tool_c") == len("Sure. ")
+    assert may_start_call("hermes", "Sure. <tool_call>{") == len("Sure. ")
+    assert may_start_call("hermes", "Sure, 1 < 2.") == len("Sure, 1 < 2.")
+    assert may_start_call("llama3_json", ' {"name"') == 0 and may_start_call("llama3_json", "Hi") == 2
+
+
+@pytest.mark.parametrize("tools, choice, config, message", [
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, ToolConfig(), "^tool_choice names"),
+    ([WEATHER], "auto", ToolConfig(), "^tool_choice 'auto' needs the server started with"),
+    ([], "required", ToolConfig(), "^tool_choice needs tools"),
+    ([{"type": "function"}], "required", ToolConfig(), r"^tools\[0\] must be"),
+    ([WEATHER], "sometimes", ToolConfig(True, "hermes"), "^tool_choice must be"),
+])
+def test_plan_refuses_what_cannot_be_served(tools, choice, config, message):
+    with pytest.raises(ValueError, match=message):
+        plan(tools, choice, None, config)
+
+
+def test_plan_modes():
+    assert plan(None, None, None, ToolConfig()).mode == "none"
+    assert plan([WEATHER], "none", None, ToolConfig()).mode == "none"
+    assert plan([WEATHER], None, None, ToolConfig(True, "hermes")).mode == "auto"  # tools given: auto by default
+    named = plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, ToolConfig())
+    assert named.mode == "named" and named.name == "get_time" and json.loads(named.grammar.spec) == SCHEMAS["get_time"]
+    one = json.loads(plan([WEATHER], "required", False, ToolConfig()).grammar.spec)
+    assert one["maxItems"] == 1 and "maxItems" not in json.loads(plan([WEATHER], "required", None,
+                                                                       ToolConfig()).grammar.spec)
+    assert calls_from_text(Plan("required"), '[{"name": "get_time", "parameters": {"zone": "UTC"}}]', None)[1][0] \
+        .arguments == '{"zone": "UTC"}'
+
+
+# ---- through the server ---------------------------------------------------------------------------------
+
+
+def _check(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_function_whole_and_streamed(client):
+    model = client.models.list().data[0].id
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                       max_tokens=60, temperature=1.0, seed=4)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    _check(c.message.tool_calls[0], "get_weather")
+    stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                            max_tokens=60, temperature=0, stream=True)
+    ids, name, args, finish, pieces = set(), None, "", None, 0
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                ids |= {d.id} if d.id else set()
+                name = d.function.name or name
+                args += d.function.arguments or ""
+                pieces += bool(d.function.arguments)
+            finish = ch.finish_reason or finish
+    assert len(ids) == 1 and name == "get_weather" and finish == "tool_calls"
+    assert pieces > 1, "the arguments should arrive as they are generated, in several deltas"
+    jsonschema.validate(json.loads(args), SCHEMAS["get_weather"])
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_calls_validate(client, parallel):
+    model = client.models.list().data[0].id
+    kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=120, temperature=1.0, seed=8, **kw)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    assert parallel is None or len(calls) == 1
+    for call in calls:
+        _check(call)
+
+
+def test_auto_with_the_hermes_parser_whole_and_streamed(client):
+    """The tiny random model never writes a call by itself: a regex (vLLM's structured_outputs)
+    makes it write one, and the parser, which knows nothing of the regex, finds it."""
+    model = client.models.list().data[0].id
+    text = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>'
+    force = {"structured_outputs": {"regex": text.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")}}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=300, temperature=0,
+                                       extra_body=force)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"})]
+    content, calls = "", []
+    for chunk in client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=300,
+                                                temperature=0, extra_body=force, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+    assert content == "Checking." and [c.function.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo", "unit": "C"}
+    plain = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls == [] and plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_calls_and_answers_go_into_the_next_turn(client):
+    model = client.models.list().data[0].id
+    first = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=40,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    again = client.chat.completions.create(model=model, messages=turns, tools=[WEATHER], max_tokens=5,
+                                           tool_choice="none")
+    assert again.choices[0].message.content is not None and again.choices[0].message.tool_calls == []
