@@ -161,3 +161,52 @@ def test_calls_and_answers_go_into_the_next_turn(client):
     again = client.chat.completions.create(model=model, messages=turns, tools=[WEATHER], max_tokens=5,
                                            tool_choice="none")
     assert again.choices[0].message.content is not None and again.choices[0].message.tool_calls == []
+
+
+def test_bad_tool_and_grammar_requests_beside_good_ones(server, client):
+    """While a streamed request and a constrained one run, every bad input of #17's kinds gets its
+    400 naming the field; the good ones finish whole and no KV block stays in use."""
+    import threading
+    import time
+
+    import httpx
+
+    from tests.server.server_harness import API_KEY, get_metrics, metric
+
+    model = client.models.list().data[0].id
+    results = {}
+
+    def good():
+        stream = client.chat.completions.create(model=model, messages=ASK, max_tokens=64, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        results["stream"] = sum(len(ch.choices[0].delta.content or "") > 0 for ch in stream if ch.choices)
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=120)
+        results["calls"] = r.choices[0].message.tool_calls
+
+    worker = threading.Thread(target=good)
+    worker.start()
+    chat = {"model": model, "messages": ASK, "max_tokens": 4}
+    bad = [
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+         "response_format"),
+        ({**chat, "structured_outputs": {"json": {"type": "string", "pattern": "a+", "maxLength": 2}}},
+         "structured_outputs"),
+        ({**chat, "guided_regex": "(["}, "guided_regex"),
+        ({**chat, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({**chat, "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({**chat, "logit_bias": {"5": -101}}, "logit_bias"),
+    ]
+    for body, field in bad:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    worker.join(120)
+    assert results["stream"] > 0 and results["calls"]
+    for call in results["calls"]:
+        _check(call)
+    deadline = time.monotonic() + 30
+    while metric(get_metrics(server), "pagewise:num_used_kv_blocks") != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(get_metrics(server), "pagewise:num_used_kv_blocks") == 0
