@@ -89,8 +89,10 @@ class _Renderer:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
-    def _finish(self, calls: list, reason: str | None) -> str | None:
-        return "tool_calls" if calls and reason == "stop" else reason
+    @staticmethod
+    def _finish(called: bool, reason: str | None) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" for a choice that ended by making calls."""
+        return "tool_calls" if called and reason == "stop" else reason
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
@@ -99,7 +101,8 @@ class _Renderer:
             message = ChatResponseMessage(content=content, tool_calls=[
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
-                                      finish_reason=self._finish(calls, c.finish_reason), stop_reason=c.stop_reason))
+                                      finish_reason=self._finish(bool(calls), c.finish_reason),
+                                      stop_reason=c.stop_reason))
         usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=usage)
@@ -124,9 +127,13 @@ class _Renderer:
             return
         if c.finish_reason is None:
             return  # "required": the array goes out whole, once it is complete
-        content, calls = tool_calls.calls_from_text(self.plan, st.text, self.parser)
+        _, calls = tool_calls.calls_from_text(self.plan, st.text, self.parser)
         if calls:
             st.called = True
+            if self.plan.mode == "auto":  # the content before the first call, if the last piece brought it
+                safe = tool_calls.may_start_call(self.parser, st.text)
+                if safe > st.sent:
+                    yield DeltaMessage(content=st.text[st.sent:safe])
             yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=t.id, type="function",
                                                          function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
                                            for i, t in enumerate(calls)])
@@ -158,15 +165,15 @@ class _Renderer:
                         if c.text or (c.token_ids and self.body.logprobs):
                             yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                                 logprobs=self._logprobs(c.token_ids, c.logprobs))])
-                        calls = []
+                        called = False
                     else:
                         st = tools.setdefault(c.index, _ToolStream())
                         for delta in self._tool_deltas(c, st):
                             yield self._chunk([ChatStreamChoice(index=c.index, delta=delta)])
-                        calls = [None] if st.called else []
+                        called = st.called
                     if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                            finish_reason=self._finish(calls, c.finish_reason),
+                                                            finish_reason=self._finish(called, c.finish_reason),
                                                             stop_reason=c.stop_reason)])
             if self.body.include_usage:
                 yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens))
