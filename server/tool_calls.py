@@ -9,6 +9,9 @@ What a request's `tools` and `tool_choice` turn into (`plan`):
 - "auto": free generation, then the server's `--tool-call-parser` finds calls in the text
   (needs `--enable-auto-tool-choice`, as in vLLM): hermes / Qwen `<tool_call>{json}</tool_call>`
   blocks, or Llama 3's bare JSON object(s) `{"name": ..., "parameters": {...}}`.
+
+Streamed, every mode sends each call's id and name once the name is complete, then its
+arguments' text as it is generated (`partial_calls` follows the growing text).
 """
 
 from __future__ import annotations
@@ -182,3 +185,90 @@ def may_start_call(parser: str, text: str) -> int:
     if not stripped or stripped[0] == "{" or LLAMA_TAG.startswith(stripped[:len(LLAMA_TAG)]):
         return 0  # a Llama 3 call is the whole message
     return len(text)
+
+
+# ---- streaming: calls as they are generated -------------------------------------------------------
+
+_NAME = re.compile(r'\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass
+class PartialCall:
+    name: str
+    arguments: str  # the arguments object's text so far
+    complete: bool
+
+
+def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]:
+    """The calls in a choice's text so far, each once its name is known, with as much of its
+    arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks and
+    Llama 3 objects, written name first (as these models, and the "required" grammar, write them)."""
+    if mode == "required":
+        starts = _object_starts(text, text.find("["), depth=1) if text.lstrip().startswith("[") else []
+    elif mode == "auto" and parser == "hermes":
+        starts = [text.index("{", i) for i in _marker_ends(text) if "{" in text[i:]]
+    elif mode == "auto" and parser == "llama3_json":
+        body = text.lstrip()
+        offset = len(text) - len(body) + (len(LLAMA_TAG) if body.startswith(LLAMA_TAG) else 0)
+        starts = _object_starts(text, offset - 1, depth=0) if text[offset:].lstrip().startswith("{") else []
+    else:
+        return []
+    calls = []
+    for start in starts:
+        m = _NAME.match(text, start + 1)
+        if m is None or m.end() >= len(text) or text[m.end()] != "{":
+            break  # the name (or the start of the arguments) is not complete yet
+        end, complete = _value_end(text, m.end())
+        calls.append(PartialCall(json.loads(f'"{m.group(1)}"'), text[m.end():end], complete))
+        if not complete:
+            break
+    return calls
+
+
+def _marker_ends(text: str) -> list[int]:
+    out, i = [], text.find(HERMES_START)
+    while i >= 0:
+        out.append(i + len(HERMES_START))
+        i = text.find(HERMES_START, i + 1)
+    return out
+
+
+def _object_starts(text: str, before: int, depth: int) -> list[int]:
+    """Where each object at nesting `depth` (0: top level; 1: inside the array opened at
+    `before`) starts, after index `before`."""
+    starts, level, in_str, esc = [], depth, False, False
+    for i in range(before + 1, len(text)):
+        ch = text[i]
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            if ch == "{" and level == depth:
+                starts.append(i)
+            level += 1
+        elif ch in "}]":
+            level -= 1
+            if level < depth:
+                break
+    return starts
+
+
+def _value_end(text: str, start: int) -> tuple[int, bool]:
+    """The end of the JSON object starting at `start`, and whether it is complete."""
+    level, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            level += 1
+        elif ch in "}]":
+            level -= 1
+            if level == 0:
+                return i + 1, True
+    return len(text), False

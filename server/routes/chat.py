@@ -67,6 +67,7 @@ class _ToolStream:
     text: str = ""  # the choice's text so far
     sent: int = 0  # how much of it went out as content ("auto")
     called: bool = False  # a tool call went out
+    args_sent: list[int] = dataclasses.field(default_factory=list)  # per streamed call: arguments text sent
 
 
 class _Renderer:
@@ -119,25 +120,31 @@ class _Renderer:
             if c.text:
                 yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c.text))])
             return
-        if self.plan.mode == "auto" and c.finish_reason is None:
+        if self.plan.mode == "auto":  # content up to what may start a call
             safe = tool_calls.may_start_call(self.parser, st.text)
             if safe > st.sent:
                 yield DeltaMessage(content=st.text[st.sent:safe])
                 st.sent = safe
-            return
+        for i, call in enumerate(tool_calls.partial_calls(self.plan.mode, self.parser, st.text)):
+            if i == len(st.args_sent):  # its name is complete: the call's first delta
+                st.called = True
+                st.args_sent.append(0)
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_calls.ToolCall(call.name, "").id,
+                                                             type="function",
+                                                             function=DeltaFunctionCall(name=call.name, arguments=""))])
+            if len(call.arguments) > st.args_sent[i]:
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=DeltaFunctionCall(
+                    arguments=call.arguments[st.args_sent[i]:]))])
+                st.args_sent[i] = len(call.arguments)
         if c.finish_reason is None:
-            return  # "required": the array goes out whole, once it is complete
+            return
         _, calls = tool_calls.calls_from_text(self.plan, st.text, self.parser)
-        if calls:
+        if calls[len(st.args_sent):]:  # calls the scanner could not follow (arguments before the name): whole
             st.called = True
-            if self.plan.mode == "auto":  # the content before the first call, if the last piece brought it
-                safe = tool_calls.may_start_call(self.parser, st.text)
-                if safe > st.sent:
-                    yield DeltaMessage(content=st.text[st.sent:safe])
             yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=t.id, type="function",
                                                          function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
-                                           for i, t in enumerate(calls)])
-        elif len(st.text) > st.sent:  # no call after all: the held-back text is content
+                                           for i, t in enumerate(calls) if i >= len(st.args_sent)])
+        elif not st.called and len(st.text) > st.sent:  # no call after all: the held-back text is content
             yield DeltaMessage(content=st.text[st.sent:])
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -146,9 +153,9 @@ class _Renderer:
 
     async def events(self, stream):
         """Each delta as chunks: the role first, then content (and logprobs) or tool-call deltas,
-        then finish_reason. A named function's arguments stream as generated; "required" calls
-        go out whole when the choice ends; with "auto", content streams until what may be a
-        call's start, which is held back and parsed when the choice ends."""
+        then finish_reason. Calls stream as they are generated: each call's id and name once its
+        name is complete, then its arguments' text piece by piece; with "auto", content streams
+        until what may be a call's start."""
         started: set[int] = set()  # choices whose role chunk went out
         tools: dict[int, _ToolStream] = {}  # tool modes: each choice's text and what went out
         prompt_tokens = completion_tokens = 0

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from server.tool_calls import Plan, ToolConfig, calls_from_text, may_start_call, parse, plan
+from server.tool_calls import Plan, ToolConfig, calls_from_text, may_start_call, parse, partial_calls, plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -56,6 +56,24 @@ def test_streaming_holds_back_what_may_start_a_call():
     assert may_start_call("llama3_json", ' {"name"') == 0 and may_start_call("llama3_json", "Hi") == 2
 
 
+def test_partial_calls_follow_the_text_as_it_grows():
+    """Every prefix of a text with two calls (strings holding braces, quotes and escapes,
+    nested objects): the calls seen so far are prefixes of the final ones, and at the end they are
+    the final ones exactly."""
+    text = ('[{"name": "a", "parameters": {"s": "x}{\\\"y", "n": {"m": [1, {"k": "]"}]}}}, '
+            '{"name": "b", "parameters": {"t": "z"}}]')
+    final = [(c.name, c.arguments) for c in partial_calls("required", None, text)]
+    assert [n for n, _ in final] == ["a", "b"] and all(c.complete for c in partial_calls("required", None, text))
+    assert [json.loads(a) for _, a in final] == [p["parameters"] for p in json.loads(text)]
+    for end in range(len(text)):
+        seen = partial_calls("required", None, text[:end])
+        assert len(seen) <= 2
+        for (name, args), got in zip(final, seen):
+            assert got.name == name and args.startswith(got.arguments)
+    hermes = 'ok <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+    assert [(c.name, c.arguments) for c in partial_calls("auto", "hermes", hermes)] == [("a", '{"x": 1}')]
+
+
 @pytest.mark.parametrize("tools, choice, config, message", [
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, ToolConfig(), "^tool_choice names"),
     ([WEATHER], "auto", ToolConfig(), "^tool_choice 'auto' needs the server started with"),
@@ -82,6 +100,23 @@ def test_plan_modes():
 
 
 # ---- through the server ---------------------------------------------------------------------------------
+
+
+def _streamed_calls(stream) -> tuple[str, dict[int, dict], int, str | None]:
+    """(content, {index: {id, name, arguments}}, argument deltas, finish_reason) of a stream, the
+    calls assembled from their deltas as a client does."""
+    content, calls, pieces, finish = "", {}, 0, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+                pieces += bool(d.function.arguments)
+            finish = ch.finish_reason or finish
+    return content, calls, pieces, finish
 
 
 def _check(call, name=None):
@@ -125,6 +160,12 @@ def test_required_calls_validate(client, parallel):
     assert parallel is None or len(calls) == 1
     for call in calls:
         _check(call)
+    _, streamed, pieces, finish = _streamed_calls(client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0,
+        seed=8, stream=True, **kw))
+    assert finish == "tool_calls" and pieces > len(streamed)  # arguments in pieces, as generated
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]  # the same calls, seeded
 
 
 def test_auto_with_the_hermes_parser_whole_and_streamed(client):
@@ -139,14 +180,11 @@ def test_auto_with_the_hermes_parser_whole_and_streamed(client):
     assert r.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
         ("get_weather", {"city": "Oslo", "unit": "C"})]
-    content, calls = "", []
-    for chunk in client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=300,
-                                                temperature=0, extra_body=force, stream=True):
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            calls += ch.delta.tool_calls or []
-    assert content == "Checking." and [c.function.name for c in calls] == ["get_weather"]
-    assert json.loads(calls[0].function.arguments) == {"city": "Oslo", "unit": "C"}
+    content, calls, pieces, finish = _streamed_calls(client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], max_tokens=300, temperature=0, extra_body=force, stream=True))
+    assert content == "Checking." and [c["name"] for c in calls.values()] == ["get_weather"] and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo", "unit": "C"} and finish == "tool_calls"
+    assert pieces > 1, "the arguments should arrive as they are generated, in several deltas"
     plain = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls == [] and plain.choices[0].finish_reason in ("stop", "length")
 
