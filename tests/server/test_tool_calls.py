@@ -154,14 +154,14 @@ def test_required_calls_validate(client, parallel):
     model = client.models.list().data[0].id
     kw = {} if parallel is None else {"parallel_tool_calls": parallel}
     r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       max_tokens=120, temperature=1.0, seed=8, **kw)
+                                       max_tokens=400, temperature=1.0, seed=8, **kw)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and calls
     assert parallel is None or len(calls) == 1
     for call in calls:
         _check(call)
     _, streamed, pieces, finish = _streamed_calls(client.chat.completions.create(
-        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0,
+        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=400, temperature=1.0,
         seed=8, stream=True, **kw))
     assert finish == "tool_calls" and pieces > len(streamed)  # arguments in pieces, as generated
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
@@ -219,7 +219,7 @@ def test_bad_tool_and_grammar_requests_beside_good_ones(server, client):
                                                 stream=True, extra_body={"ignore_eos": True})
         results["stream"] = sum(len(ch.choices[0].delta.content or "") > 0 for ch in stream if ch.choices)
         r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=120)
+                                           parallel_tool_calls=False, max_tokens=120, temperature=0)
         results["calls"] = r.choices[0].message.tool_calls
 
     worker = threading.Thread(target=good)
