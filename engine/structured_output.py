@@ -6,9 +6,9 @@ may come next as a bitmask over the vocabulary, in microseconds for JSON. Here:
 
 - `check` (the core's admission, before anything is queued) parses the spec without a tokenizer,
   so a bad schema or regex is a ValueError naming `structured_outputs`;
-- `StructuredOutputs` (the sampling rank's runner) compiles each distinct spec once (a cache keyed
-  by its text), gives each constrained stream its own matcher, masks the batch's logits before
-  sampling, and advances a matcher with the token its stream accepted.
+- `StructuredOutputs` (held by the sampling rank's sampler) compiles each distinct spec once (a
+  cache keyed by its text), gives each constrained stream its own matcher, and masks the batch's
+  logits before sampling; the runner then advances each matcher with the token its stream took.
 
 JSON is generated compact (no free whitespace between tokens): a model may otherwise emit
 whitespace for as long as it likes, and small models do.
