@@ -204,13 +204,13 @@ def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]
     arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks and
     Llama 3 objects, written name first (as these models, and the "required" grammar, write them)."""
     if mode == "required":
-        starts = _object_starts(text, text.find("["), depth=1) if text.lstrip().startswith("[") else []
+        starts = _object_starts(text, text.find("[") + 1) if text.lstrip().startswith("[") else []
     elif mode == "auto" and parser == "hermes":
         starts = [text.index("{", i) for i in _marker_ends(text) if "{" in text[i:]]
     elif mode == "auto" and parser == "llama3_json":
         body = text.lstrip()
         offset = len(text) - len(body) + (len(LLAMA_TAG) if body.startswith(LLAMA_TAG) else 0)
-        starts = _object_starts(text, offset - 1, depth=0) if text[offset:].lstrip().startswith("{") else []
+        starts = _object_starts(text, offset) if text[offset:].lstrip().startswith("{") else []
     else:
         return []
     calls = []
@@ -233,42 +233,39 @@ def _marker_ends(text: str) -> list[int]:
     return out
 
 
-def _object_starts(text: str, before: int, depth: int) -> list[int]:
-    """Where each object at nesting `depth` (0: top level; 1: inside the array opened at
-    `before`) starts, after index `before`."""
-    starts, level, in_str, esc = [], depth, False, False
-    for i in range(before + 1, len(text)):
-        ch = text[i]
-        if in_str:
-            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch in "{[":
-            if ch == "{" and level == depth:
-                starts.append(i)
-            level += 1
-        elif ch in "}]":
-            level -= 1
-            if level < depth:
-                break
-    return starts
-
-
-def _value_end(text: str, start: int) -> tuple[int, bool]:
-    """The end of the JSON object starting at `start`, and whether it is complete."""
+def _brackets(text: str, start: int):
+    """(index, bracket, depth) of each bracket outside a JSON string, from `start` on: the depth an
+    opening bracket opens from, the depth a closing one returns to. 0 is `start`'s own level; a
+    bracket closing one opened before `start` goes below it."""
     level, in_str, esc = 0, False, False
     for i in range(start, len(text)):
         ch = text[i]
         if in_str:
             esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
-            continue
-        if ch == '"':
+        elif ch == '"':
             in_str = True
         elif ch in "{[":
+            yield i, ch, level
             level += 1
         elif ch in "}]":
             level -= 1
-            if level == 0:
-                return i + 1, True
+            yield i, ch, level
+
+
+def _object_starts(text: str, start: int) -> list[int]:
+    """Where each object at the nesting level of `start` begins (up to the bracket closing that level)."""
+    starts = []
+    for i, ch, level in _brackets(text, start):
+        if level < 0:
+            break
+        if ch == "{" and level == 0:
+            starts.append(i)
+    return starts
+
+
+def _value_end(text: str, start: int) -> tuple[int, bool]:
+    """The end of the JSON object starting at `start`, and whether it is complete."""
+    for i, ch, level in _brackets(text, start):
+        if ch in "}]" and level == 0:
+            return i + 1, True
     return len(text), False
