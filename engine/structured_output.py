@@ -16,6 +16,7 @@ whitespace for as long as it likes, and small models do.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -63,8 +64,11 @@ def _unenforced(schema) -> str | None:
     return next((found for c in children if (found := _unenforced(c)) is not None), None)
 
 
+@functools.lru_cache(maxsize=1024)
 def check(spec: GrammarSpec) -> None:
-    """Parse the spec once at admission, so that a bad one is refused before it reaches a step."""
+    """Parse the spec at admission, so that a bad one is refused before it reaches a step. Cached:
+    a server checks each request twice (before queuing and in the core), and clients resend the
+    same schema; a spec that fails raises again each time (exceptions are not cached)."""
     if spec.kind == "json" and (found := _unenforced(json.loads(spec.spec))) is not None:
         raise ValueError(f"structured_outputs: the JSON schema has {found}, which is not enforced")
     _grammar(_xgrammar(), spec)
