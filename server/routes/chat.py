@@ -17,9 +17,9 @@ from server import tool_calls
 from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage,
                              DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
-from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
+from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
 from server.sse import DONE, event, sse_response
-from server.state import ServerState, get_state
+from server.state import ServerState
 from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
 
 router = APIRouter()
@@ -27,9 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", **route_docs(ChatCompletionRequest, ChatCompletionResponse))
 async def create_chat_completion(request: Request):
-    state = get_state(request)
-    body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
-    state.check_model(body.model)
+    state, body = await read_request(request, ChatCompletionRequest)
     state.check_admissible(1, body.n)
     with sampling_errors():
         plan = tool_calls.plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.tools)

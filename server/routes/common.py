@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from engine.frontend.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from server.errors import APIError, bad_request, validation_error
+from server.state import ServerState, get_state
+
+B = TypeVar("B", bound=BaseModel)
 
 RETRY_AFTER_S = "1"
 _FIELD = re.compile(r"^([a-z_]+)\b")
@@ -22,6 +26,15 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+async def read_request(request, model: type[B]) -> tuple[ServerState, B]:
+    """What every POST route starts with: the server's state, and the body parsed as `model` with
+    its `model` field checked against the served name."""
+    state = get_state(request)
+    body = parse_body(model, await request.body())
+    state.check_model(body.model)
+    return state, body
 
 
 def new_id(prefix: str) -> str:

@@ -12,9 +12,9 @@ from server.logprobs import completion_logprobs
 from server.openapi import route_docs
 from server.prompts import Prompt, prompt_items, resolve_max_tokens
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from server.routes.common import engine_errors, error_event_body, new_id, parse_body, sampling_errors
+from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
 from server.sse import DONE, event, sse_response
-from server.state import ServerState, get_state
+from server.state import ServerState
 from server.streams import ClientDisconnected, last_outputs, merge, primed_all, unless_disconnected
 
 router = APIRouter()
@@ -22,9 +22,7 @@ router = APIRouter()
 
 @router.post("/v1/completions", **route_docs(CompletionRequest, CompletionResponse))
 async def create_completion(request: Request):
-    state = get_state(request)
-    body: CompletionRequest = parse_body(CompletionRequest, await request.body())
-    state.check_model(body.model)
+    state, body = await read_request(request, CompletionRequest)
     state.check_admissible(len(prompt_items(body.prompt)), body.n)
     prompts = await state.prompts.completion_prompts(body.prompt)
     params = []

@@ -20,8 +20,7 @@ from engine.sampling_params import SamplingParams
 from server.openapi import route_docs
 from server.prompts import prompt_items
 from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from server.routes.common import engine_errors, new_id, parse_body, sampling_errors
-from server.state import get_state
+from server.routes.common import engine_errors, new_id, read_request, sampling_errors
 from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
 
 router = APIRouter()
@@ -29,9 +28,7 @@ router = APIRouter()
 
 @router.post("/v1/embeddings", **route_docs(EmbeddingRequest, EmbeddingResponse))
 async def create_embeddings(request: Request):
-    state = get_state(request)
-    body: EmbeddingRequest = parse_body(EmbeddingRequest, await request.body())
-    state.check_model(body.model)
+    state, body = await read_request(request, EmbeddingRequest)
     state.check_admissible(len(prompt_items(body.input)), 1)
     prompts = await state.prompts.completion_prompts(body.input, param="input")
     params = SamplingParams(max_tokens=1, pooling=body.pooling)

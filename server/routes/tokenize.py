@@ -8,17 +8,14 @@ from fastapi import APIRouter, Request
 from server.errors import bad_request
 from server.openapi import route_docs
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.routes.common import parse_body
-from server.state import get_state
+from server.routes.common import read_request
 
 router = APIRouter()
 
 
 @router.post("/tokenize", **route_docs(TokenizeRequest, TokenizeResponse))
 async def tokenize(request: Request):
-    state = get_state(request)
-    body: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
-    state.check_model(body.model)
+    state, body = await read_request(request, TokenizeRequest)
     if body.messages is not None:
         prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], body.add_generation_prompt,
                                                  bool(body.add_special_tokens))
@@ -31,9 +28,7 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize", **route_docs(DetokenizeRequest, DetokenizeResponse))
 async def detokenize(request: Request):
-    state = get_state(request)
-    body: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
-    state.check_model(body.model)
+    state, body = await read_request(request, DetokenizeRequest)
     vocab = len(state.tokenizer)  # the ids it can spell (a model's vocabulary may be padded past them)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
