@@ -248,3 +248,4 @@ def test_bad_tool_and_grammar_requests_beside_good_ones(server, client):
     while metric(get_metrics(server), "pagewise:num_used_kv_blocks") != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(get_metrics(server), "pagewise:num_used_kv_blocks") == 0
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
