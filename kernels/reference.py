@@ -187,3 +187,39 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :logits.shape[1]]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# ---- mixture of experts -----------------------------------------------------------------------------
+# Expert weights are stacked per layer: w13 [experts, 2 * ffn, hidden] (gate rows, then up rows) and
+# w2 [experts, hidden, ffn]. A rank may hold a slice of them: a run of whole experts starting at
+# `expert_offset` (expert parallel), or every expert's slice of ffn (tensor parallel); either way its
+# output is a partial sum the layer all-reduces.
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing in float32: each token's top_k experts (ids [T, top_k] int64) and their
+    weights ([T, top_k] float32), renormalised to sum to 1 over the chosen experts when asked
+    (Mixtral always; Qwen MoE when config.norm_topk_prob)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, expert_offset: int = 0, packed=None) -> torch.Tensor:
+    """sum over each token's chosen experts e held here (expert_offset <= e < expert_offset +
+    len(w13)) of weight * w2[e] @ silu_and_mul(w13[e] @ x); experts held elsewhere add nothing.
+    The oracle: a loop over the experts, each on the tokens routed to it, combined in float32.
+    `packed` (a backend's packed expert weights) is ignored here."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids - expert_offset
+    for e in range(w13.shape[0]):
+        token, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = silu_and_mul(F.linear(x[token], w13[e]))
+        y = F.linear(h, w2[e])
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
+    return out.to(x.dtype)
