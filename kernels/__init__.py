@@ -1,13 +1,15 @@
-"""The attention, KV-cache and fused elementwise ops the engine calls; the one place a backend is
-chosen.
+"""The attention, KV-cache, fused elementwise and mixture-of-experts ops the engine calls; the one
+place a backend is chosen.
 
 Backends:
   torch   kernels/reference.py: pure torch, the test oracle, and the fallback on any device.
   cpu     kernels/cpu_ops.py: C++ kernels (kernels/cpu_ops.cpp, compiled on first use) for CPU
-          paged attention, the KV store and the fused norm / rotary / SwiGLU, and oneDNN
-          matmuls on prepacked weights. The default on CPU when a C++ compiler is there.
-  triton  kernels/triton_*.py: the CUDA path. On CPU tensors it runs only under Triton's
-          interpreter (TRITON_INTERPRET=1 set before the kernels are imported), for tests.
+          paged attention, the KV store, the fused norm / rotary / SwiGLU and the fused MoE
+          layer, and oneDNN matmuls on prepacked weights. The default on CPU when a C++
+          compiler is there.
+  triton  kernels/triton_*.py: the CUDA path (the MoE layer as a grouped GEMM, triton_moe.py).
+          On CPU tensors it runs only under Triton's interpreter (TRITON_INTERPRET=1 set before
+          the kernels are imported), for tests.
 
 The engine chooses once: resolve_backend() maps its setting to a backend name at start-up,
 get_backend() gives that name's one Backend object, and every op is then a plain call on it
@@ -105,6 +107,9 @@ class Backend:
     linear: Callable  # (x, weight, bias=None, packed=None) -> x @ weight.T + bias
     padded_num_tokens: Callable  # (n) -> rows to run a step of n tokens as; the rows past n are padding
     apply_token_bitmask: Callable  # (logits [B, V] float32, bitmask [B, ceil(V/32)] int32) -> None, in place
+    select_experts: Callable  # (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, ids [T, k] int64)
+    pack_moe_weights: Callable  # (w13, w2) -> packed expert weights or None
+    fused_moe: Callable  # (x, topk_weights, topk_ids, w13, w2, expert_offset=0, packed=None) -> [T, H]
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -119,6 +124,10 @@ def _no_padding(num_tokens):
     return num_tokens
 
 
+def _no_moe_packing(w13, w2):
+    return None
+
+
 def _torch_backend() -> Backend:
     def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -127,7 +136,7 @@ def _torch_backend() -> Backend:
     r = reference
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
                    r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
-                   r.apply_token_bitmask)
+                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, r.fused_moe)
 
 
 def _cpu_backend() -> Backend:
@@ -138,12 +147,14 @@ def _cpu_backend() -> Backend:
 
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
                    c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens,
-                   c.apply_token_bitmask)
+                   c.apply_token_bitmask, c.select_experts, c.pack_moe_weights, c.fused_moe)
 
 
 def _triton_backend() -> Backend:
-    """Attention and the KV store in Triton; norm / rotary / SwiGLU stay a few fused torch kernels
-    each (next to the matmuls they are not worth a kernel of their own)."""
+    """Attention, the KV store and the MoE grouped GEMMs in Triton; norm / rotary / SwiGLU and
+    routing stay a few fused torch kernels each (next to the matmuls they are not worth a kernel
+    of their own)."""
+    from kernels import triton_moe
     from kernels import triton_ops as t
 
     def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None):
@@ -159,7 +170,7 @@ def _triton_backend() -> Backend:
     r = reference
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
                    r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
-                   r.apply_token_bitmask)
+                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}
@@ -238,3 +249,25 @@ def linear(x, weight, bias=None, packed=None):
     """x @ weight.T + bias, through `packed` when pack_linear_weight made one (only the cpu
     backend packs, so a packed weight is the cpu backend's)."""
     return get_backend("cpu" if packed is not None else "torch").linear(x, weight, bias, packed)
+
+
+def select_experts(router_logits, top_k: int, renormalize: bool, backend: str = "torch"):
+    """Each token's top_k experts by softmax of its router logits: (weights [T, top_k] float32,
+    ids [T, top_k] int64, global expert ids), the weights renormalised to sum to 1 when asked."""
+    return get_backend(backend).select_experts(router_logits, top_k, renormalize)
+
+
+def pack_moe_weights(w13, w2, backend: str = "torch"):
+    """One layer's stacked expert weights (w13 [E, 2F, H], w2 [E, H, F]) in the layout the
+    backend's fused_moe wants (cpu: oneDNN's blocked layout per expert), or None where the plain
+    stacked weights are best. When it returns one, fused_moe needs only it: the caller frees
+    w13 and w2 (empty tensors) and keeps one resident copy of the experts."""
+    return get_backend(backend).pack_moe_weights(w13, w2)
+
+
+def fused_moe(x, topk_weights, topk_ids, w13, w2, expert_offset: int = 0, packed=None, backend: str = "torch"):
+    """[T, H] in x.dtype: for each token, the sum over its chosen experts held here (expert_offset
+    <= id < expert_offset + E) of weight * w2[e] @ silu_and_mul(w13[e] @ x); experts held on
+    other ranks add nothing (the caller all-reduces). `packed`: pack_moe_weights' result, read
+    instead of w13 / w2, which may then be empty."""
+    return get_backend(backend).fused_moe(x, topk_weights, topk_ids, w13, w2, expert_offset, packed)

@@ -4,10 +4,11 @@
 
 Shapes are the default model's (SmolLM2-135M: 9 query / 3 KV heads of 64, hidden 576, SwiGLU
 1536, vocabulary 49,152) at the batch sizes of the engine's benchmark: decode = 64 sequences,
-prefill = 2,048 tokens. Decode attention runs over as many layers' caches as the model has, so
-keys and values come from memory as they do in a real step, not from a warm cache. Each time is
-the median of repeated runs, the two backends' runs interleaved; the table gives both and their
-ratio (reference / cpu).
+prefill = 2,048 tokens; the MoE rows are a tiny Mixtral-like layer at the same token counts (8
+experts of hidden 576 and ffn 768, top-2; the cpu op on what pack_moe_weights gives it). Decode
+attention runs over as many layers' caches as the model has, so keys and values come from memory
+as they do in a real step, not from a warm cache. Each time is the median of repeated runs, the
+two backends' runs interleaved; the table gives both and their ratio (reference / cpu).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tqdm import tqdm
 import kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, BLOCK = 30, 9, 3, 64, 576, 1536, 49152, 16
+EXPERTS, TOP_K, EXPERT_FFN = 8, 2, 768
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -74,7 +76,21 @@ def cases(dtype, gen):
             attention_case(b, seqs, q_len, context, layers, dtype, gen) for b in ("torch", "cpu"))
     for rows in (64, 2048):
         out.update(row_cases(rows, dtype, gen))
+    for rows in (64, 2048):
+        out.update(moe_case(rows, dtype, gen))
     return out
+
+
+def moe_case(rows: int, dtype, gen) -> dict:
+    """One MoE layer at `rows` tokens: the reference's expert loop against the fused cpu op."""
+    x = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+    w13 = (torch.randn(EXPERTS, 2 * EXPERT_FFN, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, EXPERT_FFN, generator=gen) / EXPERT_FFN ** 0.5).to(dtype)
+    weights, ids = kernels.select_experts(torch.randn(rows, EXPERTS, generator=gen), TOP_K, True)
+    packed = kernels.pack_moe_weights(w13, w2, backend="cpu")
+    name = f"MoE layer ({EXPERTS} experts, top-{TOP_K}, {HIDDEN} x {EXPERT_FFN}), {rows} tokens"
+    return {name: (lambda: kernels.fused_moe(x, weights, ids, w13, w2),
+                   lambda: kernels.fused_moe(x, weights, ids, w13, w2, packed=packed, backend="cpu"))}
 
 
 def row_cases(rows: int, dtype, gen) -> dict:

@@ -1,5 +1,6 @@
 """The CPU backend: kernels/cpu_ops.cpp (built on first use by kernels/cpu_build.py) for paged
-attention, the KV store and the fused elementwise ops, and oneDNN matmuls on prepacked weights.
+attention, the KV store, the fused elementwise ops and the fused mixture-of-experts layer, and
+oneDNN matmuls on prepacked weights.
 
 Attention: every query row of a step, decode or prefill, is one work item reading its sequence's
 blocks in place (a prefill row causally, up to its own position). `python -m kernels.cpu_bench`
@@ -131,3 +132,27 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return load().silu_and_mul(x.contiguous())
+
+
+select_experts = reference.select_experts  # routing is a softmax and a top-k: torch's own kernels
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor):
+    """bfloat16: each expert's w13 [2F, H] and w2 [H, F] in oneDNN's blocked layout, one
+    PackedExperts (the caller may then free w13 and w2: fused_moe reads only the packed copy).
+    None for other dtypes, whose plain stacked weights measure as fast or faster
+    (kernels/cpu_ops.cpp, "mixture of experts")."""
+    if w13.dtype != torch.bfloat16:
+        return None
+    packs = [pack_linear_weight(w) for stacked in (w13, w2) for w in stacked]
+    if not packs or any(p is None for p in packs):
+        return None
+    return load().PackedExperts(packs[:len(w13)], packs[len(w13):], w13.shape[2], w2.shape[2])
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, expert_offset: int = 0, packed=None) -> torch.Tensor:
+    """kernels.reference.fused_moe in one C++ call: tokens sorted by expert, one gate/up and one down
+    matmul per active local expert, the SwiGLU and the weighted combine fused."""
+    return load().fused_moe(x.contiguous(), topk_weights.float().contiguous(), topk_ids.long().contiguous(),
+                            w13, w2, expert_offset, packed)

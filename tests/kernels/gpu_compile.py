@@ -2,8 +2,8 @@
 
 Run as a script in a process without TRITON_INTERPRET (the test does that): the interpreter
 accepts programs the GPU compiler rejects, so CPU-only machines also build the real binaries.
-Each launch kernels/triton_ops.py makes is recorded instead of run, then compiled with the same
-arguments, constexprs and launch options. Prints one line per binary; exits non-zero on failure.
+Each launch kernels/triton_ops.py and kernels/triton_moe.py make is recorded instead of run, then
+compiled with the same arguments, constexprs and launch options. Prints one line per binary; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_ops
+from kernels import triton_moe, triton_ops
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                  torch.int32: "*i32", torch.int64: "*i64"}
@@ -57,10 +57,12 @@ def source(kernel, args, kwargs):
 
 
 def record_launches():
-    """The launches of a decode batch (with and without split-KV), a prefill, and a KV store."""
+    """The launches of a decode batch (with and without split-KV), a prefill, a KV store, and an
+    MoE layer's two grouped GEMMs at decode and prefill tiles."""
     calls = []
     for name in ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel"):
         setattr(triton_ops, name, Recorder(getattr(triton_ops, name), calls))
+    triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
 
     def batch(num_seqs, q_len, head_dim, dtype=torch.bfloat16, heads=32, kv_heads=8, block_size=16, context=256):
@@ -79,6 +81,13 @@ def record_launches():
     query, cache, _, _, _, _, _ = batch(8, 1, 128)
     key = torch.empty(8, 48, 128, dtype=torch.bfloat16)[:, 32:40]
     triton_ops.write_kv(key, key, cache, cache.clone(), torch.arange(8))
+    experts, hidden, ffn, top_k = 8, 2048, 768, 2  # a Qwen3-MoE-sized expert, 8 of them held here
+    w13 = torch.empty(experts, 2 * ffn, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(experts, hidden, ffn, dtype=torch.bfloat16)
+    for num_tokens in (64, 512):  # 16-row blocks, then 64-row blocks
+        ids = torch.randint(0, 2 * experts, (num_tokens, top_k))
+        x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+        triton_moe.fused_moe(x, torch.rand(num_tokens, top_k), ids, w13, w2, expert_offset=experts // 2)
     return calls
 
 
