@@ -59,8 +59,9 @@ def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
 
 
 def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention: str = "flash",
-                        tp: int = 1) -> list[Saved]:
-    """Everything one layer keeps for backward without recomputation, per token on one TP rank."""
+                        tp: int = 1, moe: bool | None = None) -> list[Saved]:
+    """Everything one layer keeps for backward without recomputation, per token on one TP rank.
+    `moe`: an MoE layer rather than a dense one (default: an MoE layer if the model has any)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     h, d, b = spec.hidden_size, spec.head_dim, act_bytes
@@ -88,12 +89,30 @@ def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention
         # fp32 softmax log-sum-exp per head; the s x s scores are recomputed in backward.
         saved += [Saved("q", b * heads * d), Saved("k", b * kv_heads * d), Saved("v", b * kv_heads * d)]
         saved += [Saved("attention.output", b * heads * d), Saved("softmax.logsumexp", FP32 * heads)]
-    if spec.mlp == "swiglu":
+    if moe is None:
+        moe = bool(spec.moe_layers)
+    if moe:
+        saved += _moe_saved_tensors(spec, act_bytes, tp)
+    elif spec.mlp == "swiglu":
         # gate output (SiLU input), SiLU output and up output (the two factors), their product (down input)
         saved.append(Saved("mlp.swiglu", 4 * b * ffn))
     else:
         # fc output (GELU input) and GELU output (second linear's input); unfused GELU keeps more
         saved.append(Saved("mlp.gelu", UNFUSED_ACTIVATION_TENSORS.get(spec.activation, 2) * b * ffn))
+    return saved
+
+
+def _moe_saved_tensors(spec: ModelSpec, b: int, tp: int) -> list[Saved]:
+    """An MoE block, per token: the router's fp32 softmax output over the experts and its top-k indices;
+    for each of the k experts the token visits, its gathered input (the expert's linear input), the
+    SwiGLU tensors of a dense MLP and the expert's output with its routing weight (a product of two
+    activations); the shared expert like a dense MLP, with its sigmoid gate's output and the product."""
+    k, h, fe, fs = spec.experts_per_token, spec.hidden_size, spec.expert_ffn_size // tp, spec.shared_expert_ffn_size
+    saved = [Saved("router.probs", FP32 * spec.num_experts), Saved("router.topk_indices", INT64 * k),
+             Saved("experts.input", k * b * h), Saved("experts.swiglu", k * 4 * b * fe),
+             Saved("experts.output_and_weight", k * (b * h + FP32))]
+    if fs:
+        saved += [Saved("shared_expert.swiglu", 4 * b * fs // tp), Saved("shared_expert.gate", b + b * h)]
     return saved
 
 
@@ -107,6 +126,7 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    moe: bool | None = None,
 ) -> int:
     """Bytes one layer keeps for one micro-batch on one GPU (Korthikanti et al. 2022, Table 2)."""
     if recompute not in RECOMPUTE:
@@ -116,7 +136,7 @@ def layer_activation_bytes(
     if recompute == "full":
         # §4.1: only the layer's input is checkpointed (2sbh in fp16), split along the sequence with SP
         return math.ceil(tokens * act_bytes * spec.hidden_size / sp)
-    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp)
+    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp, moe)
             if not (recompute == "selective" and t.core_attention)]
     return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept))
 
@@ -149,7 +169,7 @@ def per_micro_batch_bytes(spec: ModelSpec, seq_len: int, act_bytes: int, recompu
 
 @dataclass(frozen=True)
 class ActivationMemory:
-    per_layer: int  # one layer, one micro-batch: the quantity of Korthikanti et al. Table 2
+    per_layer: int  # one layer, one micro-batch: the quantity of Korthikanti et al. Table 2 (MoE: an MoE layer)
     stored: int  # kept for backward on the busiest pipeline stage at the peak of its schedule
     recompute_buffer: int  # rebuilt during backward: one layer (full) or its core attention (selective)
 
@@ -175,10 +195,14 @@ def activation_memory(
 
     Stage i (of pp) holds min(pp - i, m) micro-batches in flight (Narayanan et al. 2021, §2.2), so the
     first stage keeps pp micro-batches of its L/pp layers: L layers' worth, as Korthikanti §4.2.3 notes.
-    The first stage adds the embedding's tensors, the last the head's and the loss's.
+    The first stage adds the embedding's tensors, the last the head's and the loss's. An MoE model's
+    dense and MoE layers are counted each as what they are.
     """
     layer_kw = dict(attention=attention, tp=tp, sequence_parallel=sequence_parallel)
     per_layer = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute=recompute, **layer_kw)
+    per_dense = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute=recompute, moe=False,
+                                       **layer_kw)
+    moe_layers = set(spec.moe_layers)
     tokens, sp = seq_len * micro_batch, tp if sequence_parallel else 1
 
     def tokens_bytes(saved: list[Saved]) -> int:
@@ -188,13 +212,16 @@ def activation_memory(
                    tokens_bytes(last_stage_saved_tensors(spec, act_bytes, tp)))
     shared = per_micro_batch_bytes(spec, seq_len, act_bytes, recompute)
     base, extra = divmod(spec.num_layers, pp)
+    starts = [stage * base + min(stage, extra) for stage in range(pp + 1)]
     stored = max(
         min(pp - stage, num_micro_batches)
-        * ((base + (stage < extra)) * per_layer + shared + first * (stage == 0) + last * (stage == pp - 1))
+        * (sum(per_layer if i in moe_layers else per_dense for i in range(starts[stage], starts[stage + 1]))
+           + shared + first * (stage == 0) + last * (stage == pp - 1))
         for stage in range(pp)
     )
     if recompute == "full":
-        buffer = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute="none", **layer_kw)
+        buffer = max(layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute="none", moe=moe,
+                                            **layer_kw) for moe in {False, bool(moe_layers)})
     elif recompute == "selective":
         core = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp) if t.core_attention]
         buffer = math.ceil(tokens * sum(t.bytes_per_token for t in core))

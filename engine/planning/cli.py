@@ -12,50 +12,29 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, parse_bytes, walk_parsers
+from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, walk_parsers
 from engine.config import canonical_dtype
 from engine.planning.activations import ATTENTION_KERNELS, RECOMPUTE
+from engine.planning.argtypes import bandwidth, fraction, positive_bytes, positive_float, positive_int, share
 from engine.planning.flops import FLOPS_METHODS
-from engine.planning.layout import Layout, PlanError, check_model_parallel
-from engine.planning.memory import OFFLOADS, OPTIMIZERS, PRECISIONS, ZERO_STAGES
+from engine.planning.layout import Layout, PlanError, check_expert_parallel, check_model_parallel
+from engine.planning.memory import OFFLOADS, OPTIMIZERS, PRECISIONS, ZERO_ACCOUNTING, ZERO_STAGES
+from engine.planning.explain import explain_training
+from engine.planning.hardware import GPU, GPUS, gpu_preset
 from engine.planning.presets import PRESETS
 from engine.planning.report import search_table, serve_table, train_table
 from engine.planning.search import search_plans
+from engine.planning.slo_cli import add_slo_flags, run_slo
 from engine.planning.serving import plan_serving
 from engine.planning.spec import ModelSpec
-from engine.planning.training import Throughput, plan_training
+from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY, DEFAULT_DP_OVERLAP, Throughput
+from engine.planning.training import plan_training
 from engine.planning.units import GiB, dtype_bytes
 
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
 KV_DTYPES = ("auto", *SERVE_DTYPES, "fp8")
 # PlanError settings whose flag's dest is not the setting's own name.
 DESTS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "gpu_memory": "gpu_memory_gib"}
-
-
-def _number(kind: str, ok, convert):
-    def parse(text: str):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}")
-        return convert(value)
-
-    return parse
-
-
-# Counts accept 1.5e11; sizes and rates are floats.
-positive_int = _number("a positive integer", lambda v: v > 0 and v.is_integer(), int)
-positive_float = _number("a positive number", lambda v: v > 0, float)
-fraction = _number("a fraction in (0, 1]", lambda v: 0 < v <= 1, float)
-
-
-def positive_bytes(text: str) -> int:
-    value = parse_bytes(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive size such as 1.5GiB, got {text!r}")
-    return value
 
 
 class _GiBAlias(argparse.Action):
@@ -86,13 +65,32 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a published parameter count that overrides the computed one (default: computed)")
 
 
+def add_hardware_flags(p: argparse.ArgumentParser, cpu: bool = False) -> argparse._ArgumentGroup:
+    g = p.add_argument_group("hardware (--gpu sets every figure; each flag below overrides its own)")
+    names = (*GPUS, "cpu") if cpu else tuple(GPUS)
+    g.add_argument("--gpu", choices=names, metavar="NAME",
+                   help=f"a GPU preset: {', '.join(GPUS)}" + ("; cpu: this machine, measured at start" if cpu else ""))
+    g.add_argument("--peak-tflops", type=positive_float, help="the GPU's dense peak TFLOP/s at the training precision")
+    g.add_argument("--hbm-tbps", type=positive_float, help="GPU memory bandwidth, TB/s")
+    g.add_argument("--intra-node-gbps", type=bandwidth, help="GB/s per GPU per direction inside a node (NVLink...)")
+    g.add_argument("--inter-node-gbps", type=bandwidth, help="GB/s per GPU per direction across nodes (its NIC)")
+    g.add_argument("--price-per-gpu-hour", type=positive_float, help="USD per GPU-hour, for the cost")
+    return g
+
+
 def add_throughput_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speed (FLOP/s per GPU on the FLOPs counted, recomputation included)")
-    g.add_argument("--achieved-tflops", type=positive_float, help="measured TFLOP/s per GPU, end to end")
-    g.add_argument("--peak-tflops", type=positive_float, help="the GPU's peak TFLOP/s at the training precision")
-    g.add_argument("--mfu", type=fraction, help="fraction of --peak-tflops achieved")
+    add_hardware_flags(p)
+    g = p.add_argument_group("speed: a published / measured rate (end to end), or predicted from the hardware")
+    g.add_argument("--achieved-tflops", type=positive_float,
+                   help="measured TFLOP/s per GPU on the FLOPs counted (recomputation included), end to end")
+    g.add_argument("--mfu", type=fraction, help="measured model FLOPs utilization (of the peak), end to end")
+    g.add_argument("--compute-efficiency", type=fraction, default=DEFAULT_COMPUTE_EFFICIENCY,
+                   help="predicted time: the fraction of peak the matmuls reach")
+    g.add_argument("--dp-overlap", type=share, default=DEFAULT_DP_OVERLAP,
+                   help="predicted time: the share of the DP gradient sync hidden behind the backward pass")
     g.add_argument("--flops", choices=FLOPS_METHODS, default="nd",
                    help="nd: 6ND (8ND with full recompute); exact: per-layer count")
+    g.add_argument("--explain", action="store_true", help="print each figure with its formula and source")
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -104,14 +102,22 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="eager keeps the s x s softmax")
     p.add_argument("--nodes", type=positive_int, default=1, help="machines")
     p.add_argument("--gpus-per-node", type=positive_int, default=1, help="GPUs in each machine")
-    p.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU in GiB, to check the fit")
+    p.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU in GiB, to check the fit "
+                                                                 "(default: --gpu's)")
     p.add_argument("--tokens", type=positive_int, help="training tokens in all (or --samples with --epochs)")
 
 
-def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+def add_zero_accounting_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--zero-accounting", choices=ZERO_ACCOUNTING, default="paper",
+                   help="paper: ZeRO's Figure 1; deepspeed: what DeepSpeed's runtime holds (its estimators: an fp32 "
+                        "gradient partition, ZeRO-3's live module)")
+
+
+def add_parallel_flags(p: argparse.ArgumentParser, ep_help: str) -> None:
     """The engine's own flags (`--tensor-parallel-size/-tp`, ...), with plan's older --tp/--pp."""
     add_engine_arg(p, "tensor_parallel_size", type=positive_int)
     add_engine_arg(p, "pipeline_parallel_size", type=positive_int)
+    p.add_argument("--expert-parallel-size", "-ep", "--ep", dest="ep", type=positive_int, default=1, help=ep_help)
 
 
 def add_parser(subparsers) -> None:
@@ -128,11 +134,13 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
     add_training_flags(train)
     train.add_argument("--micro-batch", type=positive_int, default=1, help="samples per GPU per forward")
     train.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    add_parallel_flags(train)
+    add_parallel_flags(train, "MoE: expert-parallel ranks, carved out of the data-parallel ones; each holds "
+                              "experts / ep of the experts (each still split over TP)")
     train.add_argument("--sequence-parallel", action="store_true",
                        help="split the norms' and dropouts' activations over the TP ranks too")
     train.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
                        help="ZeRO stage: 1 shards optimizer states, 2 gradients too, 3 parameters too")
+    add_zero_accounting_flag(train)
     train.add_argument("--offload", choices=OFFLOADS, default="none", help="keep these in CPU memory (ZeRO-Offload)")
     train.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation recomputation: selective (attention) or full (every layer)")
@@ -148,7 +156,8 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                                 description=__doc__)
     add_model_flags(serve)
     g = serve.add_argument_group("engine settings (the same flags as `engine serve`)")
-    add_parallel_flags(g)
+    add_parallel_flags(g, "MoE: GPUs the experts are spread over whole (vLLM --enable-expert-parallel: "
+                          "a multiple of TP, DP x TP); attention and dense MLPs stay split over TP")
     add_engine_arg(g, "dtype", choices=("auto", *SERVE_DTYPES), default="bfloat16",
                    help="weights and activations; half/fp16 = float16, bf16 = bfloat16, float/fp32 = float32; "
                         "auto: bfloat16, as the engine picks on CUDA")
@@ -168,6 +177,8 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step: sizes the forward's workspace")
     add_engine_arg(g, "max_num_seqs", type=positive_int,
                    help="most sequences running at once: sizes the sampler's workspace")
+    add_hardware_flags(serve, cpu=True)
+    add_slo_flags(serve)
     serve.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     serve.set_defaults(func=run_serve, parser=serve)
 
@@ -175,6 +186,7 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
     add_model_flags(search)
     add_training_flags(search)
     search.add_argument("--global-batch", type=positive_int, required=True, help="samples per optimizer step")
+    add_zero_accounting_flag(search)
     search.add_argument("--top", type=positive_int, default=10, help="how many of the fitting layouts to print")
     add_throughput_flags(search)
     search.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -222,15 +234,42 @@ def _plan_error(parser, e: PlanError):
     parser.error(f"argument {flag}: {e.message}")
 
 
+def hardware(args: argparse.Namespace) -> GPU | None:
+    """The --gpu preset with every figure given by its own flag put in; None without --gpu."""
+    if args.gpu is None:
+        return None
+    return gpu_preset(args.gpu).with_overrides(
+        memory_gib=args.gpu_memory_gib, hbm_tbps=args.hbm_tbps, intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps, price_per_gpu_hour=args.price_per_gpu_hour)
+
+
+def resolve_hardware(args: argparse.Namespace) -> None:
+    """Fill the figures a --gpu preset knows into the flags not given, so one value reaches every formula."""
+    gpu = None if args.gpu == "cpu" else hardware(args)
+    if gpu is None:
+        return
+    precision = getattr(args, "dtype", "mixed")
+    args.peak_tflops = args.peak_tflops or gpu.peak_tflops(precision)
+    args.gpu_memory_gib, args.hbm_tbps = gpu.memory_gib, gpu.hbm_tbps
+    args.intra_node_gbps, args.inter_node_gbps = gpu.intra_node_gbps, gpu.inter_node_gbps
+    args.price_per_gpu_hour = gpu.price_per_gpu_hour
+
+
 def throughput(args: argparse.Namespace) -> Throughput:
     if args.mfu is not None and args.peak_tflops is None:
-        args.parser.error("argument --mfu: needs --peak-tflops")
+        args.parser.error("argument --mfu: needs --peak-tflops or --gpu")
     if args.mfu is not None and args.achieved_tflops is not None:
         args.parser.error("argument --mfu: give --achieved-tflops or --peak-tflops with --mfu, not both")
     return Throughput(
         achieved=_tera(args.achieved_tflops), peak=_tera(args.peak_tflops), mfu=args.mfu,
-        time_per_step=getattr(args, "time_per_step", None),
+        time_per_step=getattr(args, "time_per_step", None), intra_node_bw=_giga(args.intra_node_gbps),
+        inter_node_bw=_giga(args.inter_node_gbps), compute_efficiency=args.compute_efficiency,
+        dp_overlap=args.dp_overlap,
     )
+
+
+def _giga(value: float | None) -> float | None:
+    return None if value is None else value * 1e9
 
 
 def _tera(value: float | None) -> float | None:
@@ -248,28 +287,40 @@ def emit(args: argparse.Namespace, payload: dict, table: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     spec = model_spec(args)
+    resolve_hardware(args)
     layout = Layout(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=args.tensor_parallel_size,
         pp=args.pipeline_parallel_size, micro_batch=args.micro_batch,
         grad_accum=args.grad_accum, sequence_parallel=args.sequence_parallel, zero=args.zero, offload=args.offload,
-        recompute=args.recompute,
+        recompute=args.recompute, ep=args.ep,
     )
     try:
         plan = plan_training(
             spec, layout, seq_len=args.seq_len, precision=args.dtype, optimizer=args.optimizer,
             attention=args.attention, tokens=args.tokens, samples=args.samples, epochs=args.epochs,
             flops_method=args.flops, throughput=throughput(args), gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
+            price_per_gpu_hour=args.price_per_gpu_hour, zero_accounting=args.zero_accounting,
         )
     except PlanError as e:
         _plan_error(args.parser, e)
-    return emit(args, {"model": spec.name, **plan.to_json()}, train_table(spec, plan, gib_bytes(args.gpu_memory_gib)))
+    table = train_table(spec, plan, gib_bytes(args.gpu_memory_gib))
+    if args.explain:
+        table += "\n\n" + explain_training(spec, plan, args.dtype, args.seq_len, args.flops)
+    return emit(args, {"model": spec.name, **plan.to_json()}, table)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    resolve_hardware(args)
+    if args.slo or args.concurrency:
+        return run_slo(args, spec)
+    tp, pp, ep = args.tensor_parallel_size, args.pipeline_parallel_size, args.ep
     try:
         check_model_parallel(spec, tp, pp)
+        check_expert_parallel(spec, ep, expert_tp=1 if ep > 1 else tp)
+        if ep > 1 and ep % tp:
+            raise PlanError("ep", f"{ep} is not a multiple of the tensor-parallel size {tp}: the EP group is "
+                                  f"DP x TP ranks")
     except PlanError as e:
         _plan_error(args.parser, e)
     if args.kv_cache_memory is None and args.gpu_memory_gib is None:
@@ -281,13 +332,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or spec.max_position_embeddings, block_size=args.block_size,
         tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
-        max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep,
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
 
 
 def run_search(args: argparse.Namespace) -> int:
     spec = model_spec(args)
+    resolve_hardware(args)
     if args.gpu_memory_gib is None:
         args.parser.error("argument --gpu-memory-gib: plan search needs the memory of one GPU")
     if args.tokens is None:
@@ -297,11 +349,12 @@ def run_search(args: argparse.Namespace) -> int:
             spec, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
             seq_len=args.seq_len, global_batch=args.global_batch, tokens=args.tokens, throughput=throughput(args),
             precision=args.dtype, optimizer=args.optimizer, attention=args.attention, flops_method=args.flops,
+            zero_accounting=args.zero_accounting, price_per_gpu_hour=args.price_per_gpu_hour,
         )
     except PlanError as e:
         _plan_error(args.parser, e)
     payload = {
-        "model": spec.name, "considered": result.considered, "fitting": len(result.plans),
+        "model": spec.name, "considered": result.considered, "fitting": len(result.plans), "excluded": result.excluded,
         "plans": [plan.to_json() for plan in result.plans[: args.top]],
     }
     return emit(args, payload, search_table(spec, result, args.top))

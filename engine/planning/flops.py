@@ -1,4 +1,9 @@
-"""Training FLOPs: the 6ND rule, 8ND with full recomputation, and the exact per-layer count."""
+"""Training FLOPs: the 6ND rule, 8ND with full recomputation, and the exact per-layer count.
+
+For a mixture-of-experts model N is the active parameter count (each token runs top-k experts), as
+Mixtral's "12.9B active of 46.7B" and the Switch Transformer's FLOPs-matched comparisons count it
+(Fedus et al. 2022, §2).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,16 @@ def nd_flops(params: int, tokens: int, recompute: str = "none") -> float:
     return float((8 if recompute == "full" else 6) * params * tokens)
 
 
-def matmul_params_per_layer(spec: ModelSpec) -> int:
-    """Weights a token multiplies by in one layer: q, k, v, o projections and the MLP matrices."""
-    mlp_matrices = 3 if spec.mlp == "swiglu" else 2
-    return (spec.hidden_size * (2 * spec.q_size + 2 * spec.kv_size)
-            + mlp_matrices * spec.hidden_size * spec.ffn_hidden_size)
+def matmul_params(spec: ModelSpec) -> int:
+    """Weights one token multiplies by in all layers: q, k, v, o projections and the MLP matrices; in an
+    MoE layer the router, the shared expert and the top-k routed experts (not the idle ones)."""
+    h = spec.hidden_size
+    attention = h * (2 * spec.q_size + 2 * spec.kv_size)
+    dense = (3 if spec.mlp == "swiglu" else 2) * h * spec.ffn_hidden_size
+    moe = (spec.num_experts * h + spec.experts_per_token * spec.expert_params
+           + 3 * h * spec.shared_expert_ffn_size + h * (spec.shared_expert_ffn_size > 0))
+    moe_layers = len(spec.moe_layers)
+    return spec.num_layers * attention + (spec.num_layers - moe_layers) * dense + moe_layers * moe
 
 
 def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[int, int, int]:
@@ -26,7 +36,7 @@ def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[int, int, in
     A matmul costs 2 FLOPs per weight; QK^T and AV cost 2 x s x q_size each, counted over the full
     s x s matrix as Narayanan et al. 2021 (eq. 3) do. Norms, softmax and activations are omitted.
     """
-    layers = spec.num_layers * 2 * matmul_params_per_layer(spec)
+    layers = 2 * matmul_params(spec)
     attention = spec.num_layers * 4 * seq_len * spec.q_size
     head = 2 * spec.hidden_size * spec.vocab_size
     return layers, attention, head
@@ -52,5 +62,6 @@ def training_flops(spec: ModelSpec, seq_len: int, tokens: int, method: str, reco
     if method not in FLOPS_METHODS:
         raise ValueError(f"flops method must be one of {FLOPS_METHODS}, got {method!r}")
     if method == "nd":
-        return nd_flops(spec.params, tokens, recompute), nd_flops(spec.params, tokens)
+        # 6ND counts the parameters a token passes through: the active ones of an MoE model
+        return nd_flops(spec.active_params, tokens, recompute), nd_flops(spec.active_params, tokens)
     return exact_flops(spec, seq_len, tokens, recompute), exact_flops(spec, seq_len, tokens)

@@ -33,10 +33,23 @@ def check_model_parallel(spec: ModelSpec, tp: int, pp: int) -> None:
         raise PlanError("tp", f"{tp} does not divide the model's {spec.num_heads} attention heads")
     if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
         raise PlanError("tp", f"{tp} neither divides nor is a multiple of the {spec.num_kv_heads} KV heads")
-    if spec.ffn_hidden_size % tp:
-        raise PlanError("tp", f"{tp} does not divide the MLP's {spec.ffn_hidden_size} hidden units")
+    dense_ffn = spec.ffn_hidden_size if len(spec.moe_layers) < spec.num_layers else None
+    for units, what in ((dense_ffn, "MLP's"), (spec.shared_expert_ffn_size, "shared expert's")):
+        if units and units % tp:
+            raise PlanError("tp", f"{tp} does not divide the {what} {units} hidden units")
     if pp > spec.num_layers:
         raise PlanError("pp", f"{pp} stages for {spec.num_layers} layers leaves a stage empty")
+
+
+def check_expert_parallel(spec: ModelSpec, ep: int, expert_tp: int) -> None:
+    """EP gives each rank experts / ep whole experts; expert TP splits each expert's hidden units."""
+    check_positive(ep=ep)
+    if ep > 1 and not spec.is_moe:
+        raise PlanError("ep", f"{ep}-way expert parallelism needs experts; {spec.name} is a dense model")
+    if spec.is_moe and spec.num_experts % ep:
+        raise PlanError("ep", f"{ep} does not divide the model's {spec.num_experts} experts")
+    if spec.is_moe and spec.expert_ffn_size % expert_tp:
+        raise PlanError("tp", f"{expert_tp} does not divide an expert's {spec.expert_ffn_size} hidden units")
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class Layout:
     zero: int = 0
     offload: str = "none"
     recompute: str = "none"
+    ep: int = 1  # expert-parallel ranks, carved out of the DP ranks (Megatron-LM's expert_model_parallel_size)
 
     @property
     def gpus(self) -> int:
@@ -70,9 +84,16 @@ class Layout:
         check_positive(nodes=self.nodes, gpus_per_node=self.gpus_per_node, micro_batch=self.micro_batch,
                        grad_accum=self.grad_accum)
         check_model_parallel(spec, self.tp, self.pp)
+        if self.tp > self.gpus_per_node:
+            raise PlanError("tp", f"{self.tp} exceeds the {self.gpus_per_node} GPUs of a node by "
+                                  f"{self.tp - self.gpus_per_node}: TP all-reduces twice per layer and needs the "
+                                  f"intra-node links (Narayanan et al. 2021, §3.3)")
         if self.gpus % (self.tp * self.pp):
             raise PlanError("tp", f"tp x pp = {self.tp * self.pp} does not divide the {self.gpus} GPUs "
                                   f"(nodes x gpus-per-node)")
+        check_expert_parallel(spec, self.ep, self.tp)
+        if self.dp % self.ep:
+            raise PlanError("ep", f"{self.ep} does not divide the {self.dp} data-parallel ranks it is carved from")
         if self.zero not in ZERO_STAGES:
             raise PlanError("zero", f"must be one of {ZERO_STAGES}, got {self.zero}")
         if self.offload not in OFFLOADS:
@@ -81,5 +102,8 @@ class Layout:
             raise PlanError("offload", "ZeRO-Offload partitions gradients and optimizer state first: needs zero >= 2")
         if self.offload == "optimizer+params" and self.zero < 3:
             raise PlanError("offload", "offloading parameters needs their ZeRO-3 partition: zero 3")
+        if self.pp > 1 and self.zero >= 2:
+            raise PlanError("zero", f"ZeRO-{self.zero} with {self.pp} pipeline stages: DeepSpeed's PipelineEngine "
+                                    "refuses ZeRO-2/3 with pipeline parallelism; use --zero 1 or --pp 1")
         if self.recompute not in RECOMPUTE:
             raise PlanError("recompute", f"must be one of {RECOMPUTE}, got {self.recompute!r}")

@@ -16,6 +16,12 @@ def _llama(layers, hidden, heads, kv_heads, ffn, vocab, max_pos, model_type="lla
     }
 
 
+def _moe(model_type, layers, hidden, heads, kv_heads, ffn, vocab, max_pos, experts, top_k, **fields):
+    expert_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    return _llama(layers, hidden, heads, kv_heads, ffn, vocab, max_pos, model_type) | {
+        expert_key: experts, "num_experts_per_tok": top_k, **fields}
+
+
 def _gpt(layers, hidden, heads, vocab, positions, activation):
     return {
         "model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads, "n_inner": None,
@@ -35,4 +41,9 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, 32768, model_type="qwen2"),
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32000, 32768, model_type="mistral"),
     "gpt3-175b": _gpt(96, 12288, 96, 50257, 2048, "gelu_pytorch_tanh"),  # fused GELU, as Megatron-LM
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of intermediate_size, top-2, every layer
+    "mixtral-8x7b": _moe("mixtral", 32, 4096, 32, 8, 14336, 32000, 32768, 8, 2),
+    # Qwen/Qwen3-30B-A3B: head_dim 128 (not 2048 / 32), 128 experts of 768, top-8, every layer MoE
+    "qwen3-30b-a3b": _moe("qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 40960, 128, 8, head_dim=128,
+                          moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
 }

@@ -25,11 +25,17 @@ def rows(pairs: list[tuple[str, str]]) -> str:
 
 
 def model_line(spec: ModelSpec) -> str:
-    return (
+    line = (
         f"model {spec.name}: {spec.params / 1e9:,.2f} B parameters, {spec.num_layers} layers, "
         f"hidden {spec.hidden_size}, {spec.num_heads} heads ({spec.num_kv_heads} KV, head_dim {spec.head_dim}), "
         f"ffn {spec.ffn_hidden_size}, vocab {spec.vocab_size}"
     )
+    if spec.is_moe:
+        shared = f" + a shared expert of {spec.shared_expert_ffn_size}" if spec.shared_expert_ffn_size else ""
+        line += (f"\n  mixture of experts: {spec.active_params / 1e9:,.2f} B active per token; "
+                 f"{len(spec.moe_layers)} MoE layers of {spec.num_experts} experts of {spec.expert_ffn_size}, "
+                 f"top {spec.experts_per_token}{shared}")
+    return line
 
 
 def layout_line(plan: TrainPlan) -> str:
@@ -37,8 +43,39 @@ def layout_line(plan: TrainPlan) -> str:
     return (
         f"{lay.gpus} GPUs ({lay.nodes} x {lay.gpus_per_node}): TP {lay.tp}, PP {lay.pp}, DP {lay.dp}, ZeRO {lay.zero}, "
         f"SP {'on' if lay.sequence_parallel else 'off'}, recompute {lay.recompute}, offload {lay.offload}, "
-        f"micro-batch {lay.micro_batch} x grad-accum {lay.grad_accum}"
+        f"micro-batch {lay.micro_batch} x grad-accum {lay.grad_accum}" + (f", EP {lay.ep}" if lay.ep > 1 else "")
     )
+
+
+def chinchilla_hint(plan: TrainPlan) -> str:
+    """Far (over 2x) from ~20 tokens per parameter (Hoffmann et al. 2022): say so, as a hint."""
+    ratio = plan.tokens / plan.chinchilla_tokens
+    if 0.5 <= ratio <= 2:
+        return ""
+    return (f"  ({plan.tokens / plan.params:,.1f} tokens per parameter; compute-optimal is about 20, "
+            f"{plan.chinchilla_tokens:,.3g} tokens: Hoffmann et al. 2022)")
+
+
+def step_rows(plan: TrainPlan) -> list[tuple[str, str]]:
+    step = plan.step
+    if step is None:
+        return []
+    if step.end_to_end:
+        return [("step time", f"{step.total:,.3f} s (end to end, as given)")]
+    return [("step time", f"{step.total:,.3f} s = compute {step.compute:,.3f} + exposed communication "
+                          f"{step.exposed_communication:,.3f} + bubble {step.bubble:,.3f} (predicted)")]
+
+
+def comm_rows(plan: TrainPlan) -> list[str]:
+    if not plan.communication:
+        return []
+    out = ["", "communication per GPU per optimizer step"]
+    for c in plan.communication:
+        secs = "" if c["seconds"] is None else f", {c['seconds']:,.3f} s"
+        link = "across nodes" if c["crosses_nodes"] else "inside a node"
+        out.append(f"  {c['name']:<28} {gib(c['bytes'])} over {c['ranks']} ranks {link}{secs}"
+                   f"{' (overlaps the backward)' if c['overlapped'] else ''}")
+    return out
 
 
 def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) -> str:
@@ -49,13 +86,19 @@ def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) 
         layout_line(plan),
         "",
         rows([
-            ("global batch", f"{plan.global_batch:,} samples"),
-            ("steps", f"{plan.steps:,}"),
-            ("tokens", f"{plan.tokens:,.4g}"),
+            ("global batch", f"{plan.global_batch:,} samples ({plan.tokens_per_step:,} tokens) per optimizer step"),
+            ("micro-batches per step", f"{plan.layout.grad_accum:,} on each of {plan.layout.dp:,} DP replicas"),
+            ("optimizer steps", f"{plan.steps:,}"),
+            ("micro-steps", f"{plan.micro_steps:,} (forward + backward passes of each GPU)"),
+            ("tokens", f"{plan.tokens:,.4g}{chinchilla_hint(plan)}"),
             ("FLOPs", f"{plan.flops:.4g} (model FLOPs {plan.model_flops:.4g})"),
+            *step_rows(plan),
             ("time", duration(plan.time_s)),
-            ("MFU", "-" if plan.mfu is None else f"{plan.mfu:.1%}"),
+            ("MFU / HFU", "-" if plan.mfu is None else f"{plan.mfu:.1%} / {plan.hfu:.1%}"),
+            ("GPU-hours", "-" if plan.gpu_hours is None else f"{plan.gpu_hours:,.0f}"),
+            ("cost", "-" if plan.cost is None else f"${plan.cost:,.0f} (at the price per GPU-hour given)"),
         ]),
+        *comm_rows(plan),
         "",
         "memory per GPU",
         rows([
@@ -82,6 +125,8 @@ def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
             ("KV capacity", f"{plan.kv_capacity_tokens:,} tokens ({plan.num_kv_blocks:,} blocks of {block_size})"),
             (f"sequences of {plan.max_model_len:,} tokens", f"{plan.max_seqs_at_max_len:,}"),
             ("fits", "yes" if plan.fits else "NO: not one sequence of max-model-len fits"),
+            *([("EP all-to-all", f"{plan.ep_all_to_all_bytes_per_token:,.0f} bytes sent per GPU per token")]
+              if plan.ep_all_to_all_bytes_per_token else []),
         ]),
     ])
 
@@ -100,6 +145,11 @@ def search_table(spec: ModelSpec, result: SearchResult, top: int) -> str:
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     table = "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
-    summary = (f"{len(result.plans):,} of {result.considered:,} layouts fit; "
-               f"best {min(top, len(result.plans))} by estimated time")
+    ranked = ("predicted time (compute + exposed communication + bubble)"
+              if result.plans and result.plans[0].step is not None and not result.plans[0].step.end_to_end
+              else "time at the end-to-end rate (the same for every layout: give --gpu to rank by communication)")
+    summary = (f"{len(result.plans):,} of {result.considered:,} layouts fit; best {min(top, len(result.plans))} by "
+               f"{ranked}")
+    for reason, count in result.excluded.items():
+        summary += f"\n{count:,} layouts not considered: {reason}"
     return "\n".join([model_line(spec), summary, "", table])

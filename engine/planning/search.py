@@ -1,18 +1,21 @@
-"""Plan search: every TP / PP / DP / ZeRO / recomputation / micro-batch layout of a cluster that fits
-in GPU memory, ranked by estimated training time.
+"""Plan search: every TP / PP / DP / EP / ZeRO / recomputation / micro-batch layout of a cluster that
+fits in GPU memory, ranked by training time.
 
-Estimated time is the training plan's FLOPs-over-rate time, which already charges recomputation
-(8ND or the exact count) and the pipeline bubble (p - 1) / m. Communication is not modeled, so ties
-go to the layout that communicates less and computes in larger pieces: less recomputation, smaller
-TP (all-reduces of activations in every layer), smaller PP, a lower ZeRO stage (stages 1-2 move as
-much as plain data parallelism, stage 3 1.5x: Rajbhandari et al. 2020, §7), a larger micro-batch,
-then less memory. TP stays within a node (Narayanan et al. 2021, §3.3: it needs the intra-node links). Offloading is not
-proposed: its PCIe traffic is not in the time estimate.
+With hardware figures (--gpu, or --peak-tflops and link bandwidths) the time is predicted per layout:
+compute + the communication it does not hide + the pipeline bubble (steptime.py), so a layout that
+all-reduces over the network ranks behind one that keeps its traffic on NVLink. An end-to-end rate
+(--achieved-tflops, --mfu) is the same for every layout; then ties go to the layout that communicates
+less and computes in larger pieces: less recomputation, smaller TP, smaller PP, a lower ZeRO stage (stage 3
+moves 1.5x: Rajbhandari et al. 2020, §7), a larger micro-batch, then less memory. TP stays within a node
+(Narayanan et al. 2021, §3.3). Offloading is not proposed: its PCIe traffic is not in the time estimate.
+Pipeline parallelism with ZeRO-2/3 is not proposed: DeepSpeed's PipelineEngine asserts ZeRO stage < 2
+("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", deepspeed/runtime/pipe/engine.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -28,8 +31,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(spec: ModelSpec, nodes: int, gpus_per_node: int, global_batch: int) -> list[Layout]:
-    """Every layout of nodes x gpus_per_node GPUs that realizes `global_batch` exactly."""
+PP_WITH_ZERO_2_3 = "pipeline parallelism with ZeRO-2/3 (DeepSpeed's PipelineEngine refuses it)"
+
+
+def candidate_layouts(spec: ModelSpec, nodes: int, gpus_per_node: int, global_batch: int,
+                      excluded: dict[str, int] | None = None) -> list[Layout]:
+    """Every layout of nodes x gpus_per_node GPUs that realizes `global_batch` exactly; `excluded` counts
+    the ones left out, by reason."""
     gpus, layouts = nodes * gpus_per_node, []
     for tp in divisors(gpus_per_node):
         for pp in divisors(gpus // tp):
@@ -43,19 +51,29 @@ def candidate_layouts(spec: ModelSpec, nodes: int, gpus_per_node: int, global_ba
             for micro_batch in divisors(global_batch // dp):
                 for sp in (False, True) if tp > 1 else (False,):
                     for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                        for recompute in RECOMPUTE:
+                        if pp > 1 and zero >= 2:
+                            if excluded is not None:
+                                excluded[PP_WITH_ZERO_2_3] = excluded.get(PP_WITH_ZERO_2_3, 0) + len(RECOMPUTE)
+                            continue
+                        for recompute, ep in itertools.product(RECOMPUTE, expert_parallel_sizes(spec, dp)):
                             layouts.append(Layout(
                                 nodes=nodes, gpus_per_node=gpus_per_node, tp=tp, pp=pp, micro_batch=micro_batch,
                                 grad_accum=global_batch // (dp * micro_batch), sequence_parallel=sp, zero=zero,
-                                recompute=recompute,
+                                recompute=recompute, ep=ep,
                             ))
     return layouts
+
+
+def expert_parallel_sizes(spec: ModelSpec, dp: int) -> list[int]:
+    """EP sizes an MoE model can use: divisors of both the DP size and the expert count."""
+    return [ep for ep in divisors(dp) if spec.num_experts % ep == 0] if spec.is_moe else [1]
 
 
 @dataclass(frozen=True)
 class SearchResult:
     considered: int
     plans: list[TrainPlan]  # the ones that fit, best first
+    excluded: dict[str, int] = field(default_factory=dict)  # layouts not considered, by reason
 
 
 def search_plans(
@@ -72,7 +90,8 @@ def search_plans(
 ) -> SearchResult:
     """`plan_kwargs` go to plan_training (precision, optimizer, attention, flops_method)."""
     check_positive(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory=gpu_memory_bytes, global_batch=global_batch)
-    layouts = candidate_layouts(spec, nodes, gpus_per_node, global_batch)
+    excluded: dict[str, int] = {}
+    layouts = candidate_layouts(spec, nodes, gpus_per_node, global_batch, excluded)
     if not layouts:
         raise PlanError("global_batch", f"{global_batch} cannot be split evenly over any data-parallel size of "
                                         f"{nodes * gpus_per_node} GPUs")
@@ -86,7 +105,7 @@ def search_plans(
         if plan.fits:
             fitting.append(plan)
     fitting.sort(key=_rank)
-    return SearchResult(considered=len(layouts), plans=fitting)
+    return SearchResult(considered=len(layouts), plans=fitting, excluded=excluded)
 
 
 def _rank(plan: TrainPlan) -> tuple:
@@ -95,6 +114,6 @@ def _rank(plan: TrainPlan) -> tuple:
     time = (plan.time_s if plan.time_s is not None
             else plan.flops / layout.gpus * (1 + pipeline_bubble(layout.pp, layout.grad_accum)))
     return (
-        time, RECOMPUTE.index(layout.recompute), layout.tp, layout.pp, layout.zero, -layout.micro_batch,
+        time, RECOMPUTE.index(layout.recompute), layout.tp, layout.pp, layout.ep, layout.zero, -layout.micro_batch,
         plan.memory_per_gpu.total,
     )

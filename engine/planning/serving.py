@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.planning.comm import moe_all_to_all_bytes
 from engine.planning.spec import ModelSpec
 
 
@@ -38,8 +39,15 @@ def kv_capacity_tokens(kv_budget_bytes: int, kv_bytes_per_token: int, block_size
     return (kv_budget_bytes // (kv_bytes_per_token * block_size)) * block_size
 
 
+def expert_shards(tp: int, ep: int) -> int:
+    """GPUs one MoE layer's experts are spread over when serving. Without EP each TP rank holds 1/tp of
+    every expert; with EP (vLLM's --enable-expert-parallel, EP size = DP x TP) each of ep ranks holds
+    experts / ep whole experts, while attention and dense MLPs stay split over TP."""
+    return ep if ep > 1 else tp
+
+
 def forward_workspace_bytes(spec: ModelSpec, act_bytes: int, max_batched_tokens: int, max_seqs: int,
-                            tp: int = 1) -> int:
+                            tp: int = 1, ep: int = 1) -> int:
     """Estimated activation peak of one inference forward over `max_batched_tokens` tokens.
 
     Nothing is kept for backward, so the peak is the widest point of one layer: the residual stream
@@ -49,6 +57,10 @@ def forward_workspace_bytes(spec: ModelSpec, act_bytes: int, max_batched_tokens:
     """
     qkv = spec.q_size // tp + 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim
     mlp = (3 if spec.mlp == "swiglu" else 2) * spec.ffn_hidden_size // tp
+    if spec.is_moe:  # each token visits k experts: their gate+up outputs, products and outputs
+        expert_ffn = spec.expert_ffn_size // (1 if ep > 1 else tp)
+        moe = spec.experts_per_token * (3 * expert_ffn + spec.hidden_size) + 3 * spec.shared_expert_ffn_size // tp
+        mlp = max(mlp, moe) if len(spec.moe_layers) < spec.num_layers else moe
     per_token = 2 * spec.hidden_size + max(qkv, mlp)
     logits = max_seqs * -(-spec.vocab_size // tp) * 4
     return max_batched_tokens * per_token * act_bytes + logits
@@ -57,6 +69,7 @@ def forward_workspace_bytes(spec: ModelSpec, act_bytes: int, max_batched_tokens:
 @dataclass(frozen=True)
 class ServePlan:
     params: int
+    active_params: int  # per token (an MoE model's top-k experts, not the others)
     weights_per_gpu: int
     workspace_bytes: int
     kv_bytes_per_token: int
@@ -66,6 +79,7 @@ class ServePlan:
     max_model_len: int
     max_seqs_at_max_len: int
     fits: bool  # the weights and workspace leave room for at least one sequence of max_model_len
+    ep_all_to_all_bytes_per_token: float = 0.0  # sent per GPU per token of a forward, EP only
 
 
 def plan_serving(
@@ -82,11 +96,12 @@ def plan_serving(
     kv_cache_memory_bytes: int | None = None,
     max_batched_tokens: int = 2048,
     max_seqs: int = 256,
+    ep: int = 1,
 ) -> ServePlan:
     """Memory of one serving replica per GPU. `kv_cache_memory_bytes` is a fixed KV budget (the
     engine's CPU setting) that replaces the one derived from the GPU's memory."""
-    weights = spec.params_per_gpu(tp, pp) * dtype_bytes
-    workspace = forward_workspace_bytes(spec, dtype_bytes, max_batched_tokens, max_seqs, tp)
+    weights = spec.params_per_gpu(tp, pp, expert_shards(tp, ep)) * dtype_bytes
+    workspace = forward_workspace_bytes(spec, dtype_bytes, max_batched_tokens, max_seqs, tp, ep)
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     elif gpu_memory_bytes is not None:
@@ -98,7 +113,10 @@ def plan_serving(
     blocks_per_seq = -(-max_model_len // block_size)
     seqs = tokens // block_size // blocks_per_seq
     return ServePlan(
-        params=spec.params, weights_per_gpu=weights, workspace_bytes=workspace, kv_bytes_per_token=per_token,
+        params=spec.params, active_params=spec.active_params, weights_per_gpu=weights, workspace_bytes=workspace,
+        kv_bytes_per_token=per_token,
         kv_budget_bytes=budget, kv_capacity_tokens=tokens, num_kv_blocks=tokens // block_size,
         max_model_len=max_model_len, max_seqs_at_max_len=seqs, fits=seqs >= 1,
+        ep_all_to_all_bytes_per_token=moe_all_to_all_bytes(spec, 1, dtype_bytes, ep,
+                                                           moe_layers=-(-len(spec.moe_layers) // pp)),
     )

@@ -1,8 +1,10 @@
 """ModelSpec: the dimensions of a decoder-only transformer, and its parameters counted tensor by tensor.
 
 Every estimator in this package reads a ModelSpec. The tensor list below mirrors the Hugging Face
-modules (Llama / Mistral / Qwen2 / Qwen3 and GPT-2), so the count is exact for those models and the
-number of tensors (which sets the optimizer's per-tensor `step` counters) comes out right too.
+modules (Llama / Mistral / Qwen2 / Qwen3, GPT-2, and the mixture-of-experts Mixtral / Qwen2-MoE /
+Qwen3-MoE of moe.py), so the count is exact for those models and the number of tensors (which sets the
+optimizer's per-tensor `step` counters) comes out right too. transformers 5 keeps each MoE layer's
+experts as two stacked tensors (`experts.gate_up_proj` [E, 2f, h], `experts.down_proj` [E, h, f]).
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
+
+from engine.planning.moe import declares_experts, moe_fields
 
 MLP_KINDS = ("swiglu", "gelu")  # gate/up/down with SiLU (Llama) | fc/proj with GELU (GPT-2/3)
 NORM_KINDS = ("rmsnorm", "layernorm")  # weight | weight and bias
@@ -20,12 +25,15 @@ NORM_KINDS = ("rmsnorm", "layernorm")  # weight | weight and bias
 class ParamTensor:
     """One parameter tensor. `split` says how tensor parallelism shards it (Megatron-LM layout):
     "heads" / "ffn" / "vocab" split over TP ranks, "kv_heads" split until each rank holds one KV
-    head (then replicated), "none" replicated (norms, position table, row-parallel biases)."""
+    head (then replicated), "none" replicated (norms, position table, row-parallel biases, routers),
+    "experts" split over the GPUs that share the experts (`expert_shards`: EP ranks x expert TP)."""
 
     name: str
     numel: int
     split: str
-    place: str  # "embed" (first pipeline stage), "layer" (one per layer), "head" (last stage)
+    # "embed" (first pipeline stage), "layer" (one per layer), "dense" (one per dense-MLP layer),
+    # "moe" (one per MoE layer), "head" (last stage)
+    place: str
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ class ModelSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0  # on the embeddings and after attention and MLP (GPT-2 `resid_pdrop`)
     params_override: int | None = None  # a published total that replaces the computed one
+    num_experts: int = 0  # routed experts of each MoE layer; 0: a dense model
+    experts_per_token: int = 0  # top-k of the router
+    expert_ffn_size: int = 0  # hidden units of one expert's SwiGLU MLP
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others have a dense MLP of ffn_hidden_size
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -64,6 +77,14 @@ class ModelSpec:
             raise ValueError(f"mlp must be one of {MLP_KINDS} and norm one of {NORM_KINDS}")
         if self.params_override is not None and self.params_override <= 0:
             raise ValueError(f"params must be positive, got {self.params_override}")
+        if self.num_experts or self.moe_layers:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and the "
+                                 f"number of experts ({self.num_experts})")
+            if self.expert_ffn_size <= 0 or self.mlp != "swiglu":
+                raise ValueError("experts are SwiGLU MLPs with a positive moe_intermediate_size")
+            if not set(self.moe_layers) <= set(range(self.num_layers)):
+                raise ValueError(f"MoE layers {self.moe_layers} outside the {self.num_layers} layers")
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -74,14 +95,13 @@ class ModelSpec:
         try:
             return cls._from_config_dict(cfg)
         except KeyError as e:
-            raise ValueError(f"config has no {e.args[0]!r}: Llama, Mistral, Qwen2, Qwen3 and GPT-2 configs "
-                             f"are understood") from None
+            raise ValueError(f"config has no {e.args[0]!r}: Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, "
+                             f"Qwen2-MoE and Qwen3-MoE configs are understood") from None
 
     @classmethod
     def _from_config_dict(cls, cfg: dict) -> ModelSpec:
-        if cfg.get("num_local_experts") or cfg.get("num_experts"):
-            raise ValueError("mixture-of-experts models are not modeled by the planning estimators")
         model_type = cfg.get("model_type", "llama")
+        moe = moe_fields(cfg, model_type) if declares_experts(cfg) else {}
         name = cfg.get("_name_or_path") or model_type
         if model_type == "gpt2" or "n_embd" in cfg:
             hidden, heads = cfg["n_embd"], cfg["n_head"]
@@ -103,10 +123,11 @@ class ModelSpec:
             ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 hard-codes bias on q, k, v only
+            # Qwen2 and Qwen2-MoE hard-code bias on q, k, v only
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3", activation=cfg.get("hidden_act", "silu"),
-            attention_dropout=cfg.get("attention_dropout", 0.0),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), activation=cfg.get("hidden_act", "silu"),
+            attention_dropout=cfg.get("attention_dropout", 0.0), **moe,
         )
 
     @classmethod
@@ -166,6 +187,15 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Elements of one routed expert: gate, up and down projections of a SwiGLU MLP, 3hf."""
+        return 3 * self.hidden_size * self.expert_ffn_size
+
     def param_tensors(self) -> list[ParamTensor]:
         """Every parameter tensor, tied ones once (as `model.parameters()` yields them)."""
         h, f, norm_tensors = self.hidden_size, self.ffn_hidden_size, 1 if self.norm == "rmsnorm" else 2
@@ -192,56 +222,99 @@ class ModelSpec:
         t += [ParamTensor(f"post_attention_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
         up = ("gate_proj", "up_proj") if self.mlp == "swiglu" else ("fc",)
         for proj in up:
-            t.append(ParamTensor(proj, h * f, "ffn", "layer"))
+            t.append(ParamTensor(proj, h * f, "ffn", "dense"))
             if self.mlp_bias:
-                t.append(ParamTensor(f"{proj}.bias", f, "ffn", "layer"))
-        t.append(ParamTensor("down_proj", f * h, "ffn", "layer"))
+                t.append(ParamTensor(f"{proj}.bias", f, "ffn", "dense"))
+        t.append(ParamTensor("down_proj", f * h, "ffn", "dense"))
         if self.mlp_bias:
-            t.append(ParamTensor("down_proj.bias", h, "none", "layer"))
+            t.append(ParamTensor("down_proj.bias", h, "none", "dense"))
+        if self.is_moe:
+            e, fe, fs = self.num_experts, self.expert_ffn_size, self.shared_expert_ffn_size
+            t += [ParamTensor("router", e * h, "none", "moe"),
+                  ParamTensor("experts.gate_up_proj", e * 2 * fe * h, "experts", "moe"),
+                  ParamTensor("experts.down_proj", e * h * fe, "experts", "moe")]
+            if fs:
+                t += [ParamTensor(f"shared_expert.{proj}", h * fs, "ffn", "moe")
+                      for proj in ("gate_proj", "up_proj", "down_proj")]
+                t.append(ParamTensor("shared_expert_gate", h, "none", "moe"))
         t += [ParamTensor(f"final_norm.{i}", h, "none", "head") for i in range(norm_tensors)]
         if not self.tie_word_embeddings:
             t.append(ParamTensor("lm_head", self.vocab_size * h, "vocab", "head"))
         return t
 
     def computed_params(self) -> int:
-        return self._busiest_stage(tp=1, pp=1)[0]
+        return self._busiest_stage(1, 1, 1).elements
 
     @property
     def params(self) -> int:
         return self.params_override or self.computed_params()
 
-    def params_per_gpu(self, tp: int = 1, pp: int = 1) -> int:
-        """Parameters on the busiest GPU of a TP x PP layout (the stage with the most).
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: all but the routed experts it is not sent to, i.e.
+        embeddings, attention, norms, dense MLPs, routers, shared experts and top-k experts per MoE layer."""
+        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params
+        return self._scaled(self.computed_params() - idle)
+
+    def stage_params(self, tp: int = 1, pp: int = 1, expert_shards: int | None = None) -> StageParams:
+        """Parameters on the busiest GPU of a TP x PP layout (the stage with the most), and the part of
+        them that are routed experts, spread over `expert_shards` GPUs (default tp: every TP rank holds
+        1/tp of each expert's hidden units, Megatron-LM's and vLLM's default; EP multiplies it).
 
         Stages own contiguous layers, the first `L mod pp` stages one more; the first stage also holds
         the embeddings, the last the final norm and LM head. With tied embeddings and pp > 1 the last
         stage keeps its own copy of the embedding matrix as the head (Megatron-LM, Shoeybi et al. 2019).
-        A `params_override` scales the result by override / computed total.
+        A `params_override` scales the element counts by override / computed total.
         """
-        busiest = self._busiest_stage(tp, pp)[0]
-        if self.params_override is None:
-            return busiest
-        return round(busiest * self.params_override / self.computed_params())
+        stage = self._busiest_stage(tp, pp, expert_shards or tp)
+        return StageParams(self._scaled(stage.elements), stage.tensors, self._scaled(stage.expert_elements),
+                           stage.expert_tensors)
+
+    def params_per_gpu(self, tp: int = 1, pp: int = 1, expert_shards: int | None = None) -> int:
+        return self.stage_params(tp, pp, expert_shards).elements
 
     def param_tensors_per_gpu(self, tp: int = 1, pp: int = 1) -> int:
         """Parameter tensors on that busiest GPU (an optimizer keeps per-tensor counters)."""
-        return self._busiest_stage(tp, pp)[1]
+        return self.stage_params(tp, pp).tensors
+
+    def largest_module_params(self, tp: int = 1, expert_shards: int | None = None) -> int:
+        """Parameters of the largest single module (its own tensors: a Linear's weight and bias, an MoE
+        layer's stacked experts), as DeepSpeed's `model_to_params` finds `largest_layer_params`: ZeRO-3
+        gathers one module at a time. Per TP rank."""
+        modules: dict[str, int] = {}
+        for p in self.param_tensors():
+            module = "experts" if p.name.startswith("experts.") else p.name.removesuffix(".bias")
+            modules[module] = modules.get(module, 0) + self._shard(p, tp, expert_shards or tp)
+        return self._scaled(max(modules.values()))
+
+    def _scaled(self, elements: int) -> int:
+        if self.params_override is None:
+            return elements
+        return round(elements * self.params_override / self.computed_params())
 
     @functools.cache  # plan search asks for the same (tp, pp) thousands of times
-    def _busiest_stage(self, tp: int, pp: int) -> tuple[int, int]:
-        """(elements, tensors) of the pipeline stage with the most parameter elements, per TP rank."""
+    def _busiest_stage(self, tp: int, pp: int, expert_shards: int) -> StageParams:
         base, extra = divmod(self.num_layers, pp)
-        stages = []
+        stages, start, moe = [], 0, set(self.moe_layers)
         for stage in range(pp):
-            count = {"embed": int(stage == 0), "layer": base + (stage < extra), "head": int(stage == pp - 1)}
+            layers = range(start, start + base + (stage < extra))
+            start = layers.stop
+            moe_count = sum(i in moe for i in layers)
+            count = {"embed": int(stage == 0), "layer": len(layers), "dense": len(layers) - moe_count,
+                     "moe": moe_count, "head": int(stage == pp - 1)}
             tensors = [(p, count[p.place]) for p in self.param_tensors()]
             if stage == pp - 1 and pp > 1 and self.tie_word_embeddings:
                 tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), 1))
-            stages.append((sum(n * self._shard(p, tp) for p, n in tensors), sum(n for _, n in tensors)))
+            experts = [(p, n) for p, n in tensors if p.split == "experts"]
+            stages.append(StageParams(
+                sum(n * self._shard(p, tp, expert_shards) for p, n in tensors), sum(n for _, n in tensors),
+                sum(n * self._shard(p, tp, expert_shards) for p, n in experts), sum(n for _, n in experts)))
         return max(stages)
 
-    def _shard(self, p: ParamTensor, tp: int) -> int:
+    def _shard(self, p: ParamTensor, tp: int, expert_shards: int) -> int:
         """Elements of `p` on one TP rank; a rank holding a part of the vocabulary holds ceil(V / tp) rows."""
+        if p.split == "experts":
+            return p.numel // expert_shards
         if p.split == "none" or tp == 1:
             return p.numel
         if p.split == "kv_heads":
@@ -251,10 +324,22 @@ class ModelSpec:
         return p.numel // tp
 
 
+class StageParams(NamedTuple):
+    """Parameter elements and tensors on one GPU, and how many of them are routed experts."""
+
+    elements: int
+    tensors: int
+    expert_elements: int = 0
+    expert_tensors: int = 0
+
+
 def _load_config(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json at {path}")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON config: {e}") from None

@@ -6,10 +6,15 @@ import math
 from dataclasses import asdict, dataclass
 
 from engine.planning.activations import activation_memory
+from engine.planning.comm import training_collectives
 from engine.planning.flops import training_flops
 from engine.planning.layout import Layout, PlanError, check_positive
 from engine.planning.memory import model_state_memory, weight_bytes
 from engine.planning.spec import ModelSpec
+from engine.planning.steptime import MissingBandwidth, StepTime, Throughput, pipeline_bubble, step_time
+
+__all__ = ["MemoryBreakdown", "TrainPlan", "Throughput", "pipeline_bubble", "plan_training", "train_steps"]
+CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022, Table 3: compute-optimal tokens ~ 20 x parameters
 
 
 def train_steps(global_batch: int, seq_len: int, *, tokens: int | None = None, samples: int | None = None,
@@ -28,27 +33,6 @@ def train_steps(global_batch: int, seq_len: int, *, tokens: int | None = None, s
 
 
 @dataclass(frozen=True)
-class Throughput:
-    """How fast a GPU runs. `achieved` (or peak x mfu) is FLOP/s on the FLOPs counted, recomputation
-    included; `time_per_step` is a measured step time that replaces the FLOPs-based estimate."""
-
-    achieved: float | None = None
-    peak: float | None = None
-    mfu: float | None = None
-    time_per_step: float | None = None
-
-    def rate(self) -> float | None:
-        if self.achieved is not None:
-            return self.achieved
-        return self.peak * self.mfu if self.peak is not None and self.mfu is not None else None
-
-
-def pipeline_bubble(pp: int, num_micro_batches: int) -> float:
-    """Idle fraction of a 1F1B pipeline step: (p - 1) / m (Narayanan et al. 2021, §2.2.1)."""
-    return (pp - 1) / num_micro_batches
-
-
-@dataclass(frozen=True)
 class MemoryBreakdown:
     weights: int
     gradients: int
@@ -64,16 +48,26 @@ class MemoryBreakdown:
 class TrainPlan:
     layout: Layout
     params: int
+    active_params: int  # per token: all of a dense model; an MoE model's top-k experts, not the others
     global_batch: int
     steps: int
     tokens: int
     flops: float  # executed, recomputation included
     model_flops: float  # without recomputation
     time_s: float | None
-    mfu: float | None  # from a measured step time and a peak only
+    mfu: float | None  # model FLOPs per second over peak (needs a peak)
+    hfu: float | None  # executed FLOPs (recomputation included) per second over peak
     memory_per_gpu: MemoryBreakdown
     activations_per_layer: int
     cpu_memory: int  # per node: what offloading moved off its GPUs
+    ep_all_to_all_bytes: float  # sent per GPU per optimizer step by the expert all-to-alls (0 without EP)
+    micro_steps: int  # forward + backward passes of each GPU: steps x micro-batches per step
+    tokens_per_step: int
+    communication: list[dict]  # per GPU per optimizer step: name, bytes, ranks, crosses_nodes, seconds, formula
+    step: StepTime | None
+    gpu_hours: float | None
+    cost: float | None
+    chinchilla_tokens: int  # compute-optimal token count for the parameters (a hint, dense models)
     fits: bool | None  # None when no GPU memory size was given
 
     def to_json(self) -> dict:
@@ -98,31 +92,51 @@ def plan_training(
     flops_method: str = "nd",
     throughput: Throughput = Throughput(),
     gpu_memory_bytes: int | None = None,
+    price_per_gpu_hour: float | None = None,
+    zero_accounting: str = "paper",
 ) -> TrainPlan:
     layout.check(spec)
     check_positive(seq_len=seq_len, gpu_memory=gpu_memory_bytes)
     steps, trained_tokens = train_steps(layout.global_batch, seq_len, tokens=tokens, samples=samples, epochs=epochs)
     flops, model_flops = training_flops(spec, seq_len, trained_tokens, flops_method, layout.recompute)
-    time_s = mfu = None
-    if throughput.time_per_step is not None:
-        time_s = steps * throughput.time_per_step
+    act_bytes = weight_bytes(precision)
+    collectives = training_collectives(spec, layout, seq_len, act_bytes)
+    per_gpu_step = layout.gpus * steps
+    try:
+        step = step_time(flops / per_gpu_step, model_flops / per_gpu_step, collectives, throughput, pp=layout.pp,
+                         micro_batches=layout.grad_accum)
+    except MissingBandwidth as e:
+        raise PlanError(e.setting, str(e)) from None
+    time_s = mfu = hfu = None
+    if step is not None:
+        time_s = steps * step.total
         if throughput.peak is not None:  # MFU: model FLOPs per second over peak (PaLM, Appendix B)
             mfu = model_flops / (time_s * layout.gpus * throughput.peak)
-    elif throughput.rate() is not None:
-        time_s = flops / (layout.gpus * throughput.rate()) * (1 + pipeline_bubble(layout.pp, layout.grad_accum))
+            hfu = flops / (time_s * layout.gpus * throughput.peak)
+    gpu_hours = None if time_s is None else time_s * layout.gpus / 3600
     states = model_state_memory(
-        spec, precision=precision, optimizer=optimizer, tp=layout.tp, pp=layout.pp, dp=layout.dp,
-        zero=layout.zero, offload=layout.offload,
+        spec, precision=precision, optimizer=optimizer, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
+        zero=layout.zero, offload=layout.offload, accounting=zero_accounting,
     )
     acts = activation_memory(
-        spec, seq_len, layout.micro_batch, weight_bytes(precision), attention=attention, tp=layout.tp,
+        spec, seq_len, layout.micro_batch, act_bytes, attention=attention, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, recompute=layout.recompute, pp=layout.pp,
         num_micro_batches=layout.grad_accum,
     )
     memory = MemoryBreakdown(states.weights, states.gradients, states.optimizer, acts.total)
+    seconds = {} if step is None else step.communication
+    communication = [{"name": c.name, "bytes": c.bytes_sent, "ranks": c.ranks, "crosses_nodes": c.crosses_nodes,
+                      "seconds": seconds.get(c.name), "overlapped": c.overlapped, "formula": c.formula}
+                     for c in collectives]
     return TrainPlan(
-        layout=layout, params=spec.params, global_batch=layout.global_batch, steps=steps, tokens=trained_tokens,
+        layout=layout, params=spec.params, active_params=spec.active_params, global_batch=layout.global_batch,
+        steps=steps, tokens=trained_tokens,
         flops=flops, model_flops=model_flops, time_s=time_s, mfu=mfu, memory_per_gpu=memory,
         activations_per_layer=acts.per_layer, cpu_memory=states.cpu * layout.gpus_per_node,
+        ep_all_to_all_bytes=sum(c.bytes_sent for c in collectives if c.kind == "ep"),
+        micro_steps=steps * layout.grad_accum, tokens_per_step=layout.global_batch * seq_len,
+        communication=communication, step=step, hfu=hfu, gpu_hours=gpu_hours,
+        cost=None if gpu_hours is None or price_per_gpu_hour is None else gpu_hours * price_per_gpu_hour,
+        chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * spec.params,
         fits=None if gpu_memory_bytes is None else memory.total <= gpu_memory_bytes,
     )

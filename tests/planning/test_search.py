@@ -34,7 +34,7 @@ def test_search_returns_fitting_plans_fastest_first():
 def test_pipeline_bubble_makes_fewer_micro_batches_slower():
     result = search_plans(
         LLAMA_13B, nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB, seq_len=2048, global_batch=16,
-        tokens=10**9, throughput=Throughput(achieved=300e12),
+        tokens=10**9, throughput=Throughput(peak=312e12, intra_node_bw=300e9),  # predicted: the bubble is added
     )
     by_layout = {(p.layout.pp, p.layout.micro_batch, p.layout.tp, p.layout.zero, p.layout.recompute,
                   p.layout.sequence_parallel): p

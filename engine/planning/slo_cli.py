@@ -1,0 +1,119 @@
+"""`engine plan serve --slo`: flags, the device (a GPU preset or this CPU, measured), the table and the
+`engine serve` command of the plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import asdict
+
+from engine.planning.argtypes import positive_float, positive_int
+from engine.planning.hardware import GPUS
+from engine.planning.slo import Device, SloError, Workload, plan_slo, predict_closed_loop
+from engine.planning.spec import ModelSpec
+from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY
+from engine.planning.units import GiB, dtype_bytes
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """"512" or an empirical distribution "128,512,2048" (each value equally likely)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be token counts such as 512 or 128,512,2048, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive token counts, got {text!r}")
+    return values
+
+
+def counts(text: str) -> list[int]:
+    return [positive_int(v) for v in text.split(",")]
+
+
+def add_slo_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("--slo: a serving plan from latency targets (replicas x TP, max_num_seqs, KV budget)")
+    g.add_argument("--slo", action="store_true", help="plan from --request-rate, lengths and TTFT / TPOT targets")
+    g.add_argument("--request-rate", type=positive_float, help="requests per second arriving (Poisson)")
+    g.add_argument("--prompt-len", type=lengths, default=(512,), help="prompt tokens: a value or a list of values")
+    g.add_argument("--output-len", type=lengths, default=(256,), help="output tokens: a value or a list of values")
+    g.add_argument("--ttft-ms", type=positive_float, help="time-to-first-token target, ms")
+    g.add_argument("--tpot-ms", type=positive_float, help="time-per-output-token target, ms")
+    g.add_argument("--max-gpus", type=positive_int, default=64, help="most GPUs the plan may use")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="TP stays within a node's GPUs")
+    g.add_argument("--concurrency", type=counts,
+                   help="instead: predict TPOT / TTFT / throughput of one replica at these closed-loop concurrencies "
+                        "(as `engine bench serve --max-concurrency` measures them)")
+
+
+def device(args: argparse.Namespace, spec: ModelSpec) -> Device:
+    if args.gpu == "cpu":
+        from engine.planning.measure import measure_cpu  # imports torch: only here
+
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        return measure_cpu(dtype, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size)
+    missing = [flag for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib), ("--peak-tflops", args.peak_tflops),
+                                        ("--hbm-tbps", args.hbm_tbps)) if value is None]
+    if missing:
+        args.parser.error(f"argument --gpu: --slo needs a GPU preset ({', '.join(GPUS)}, or cpu) or "
+                          f"{', '.join(missing)}")
+    return Device(name=args.gpu or "custom GPU", memory_bytes=int(args.gpu_memory_gib * GiB),
+                  flops=args.peak_tflops * 1e12, memory_bw=args.hbm_tbps * 1e12,
+                  link_bw=None if args.intra_node_gbps is None else args.intra_node_gbps * 1e9,
+                  efficiency=DEFAULT_COMPUTE_EFFICIENCY)
+
+
+def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    nbytes, kv_bytes = dtype_bytes(dtype), dtype_bytes(kv_dtype)
+    load = Workload(args.prompt_len, args.output_len)
+    dev = device(args, spec)
+    if args.gpu == "cpu" and args.kv_cache_memory is None:
+        args.parser.error("argument --kv-cache-memory: on a CPU give the KV budget (e.g. 2GiB), as `engine serve` does")
+    if args.concurrency:
+        rows = [asdict(predict_closed_loop(spec, dev, load, c, dtype_bytes=nbytes, kv_dtype_bytes=kv_bytes))
+                for c in args.concurrency]
+        table = "\n".join([f"{spec.name} on {dev.name}: {load.prompt:g} prompt / {load.output:g} output tokens",
+                           "concurrency  TTFT ms  TPOT ms  output tok/s"]
+                          + [f"{r['concurrency']:>11g}  {r['ttft'] * 1e3:7.1f}  {r['tpot'] * 1e3:7.2f}  "
+                             f"{r['throughput']:12.1f}" for r in rows])
+        print(json.dumps({"device": asdict(dev), "predictions": rows}, indent=2) if args.json else table)
+        return 0
+    missing = [f for f, v in (("--request-rate", args.request_rate), ("--ttft-ms", args.ttft_ms),
+                              ("--tpot-ms", args.tpot_ms)) if v is None]
+    if missing:
+        args.parser.error(f"argument --slo: needs {', '.join(missing)}")
+    cpu = args.gpu == "cpu"
+    tp_sizes = [1] if cpu else [t for t in range(1, args.gpus_per_node + 1)
+                                if args.gpus_per_node % t == 0 and spec.num_heads % t == 0
+                                and (dev.link_bw is not None or t == 1)]
+    try:
+        plan = plan_slo(spec, dev, load, rate=args.request_rate, ttft=args.ttft_ms / 1e3, tpot=args.tpot_ms / 1e3,
+                        tp_sizes=tp_sizes, max_gpus=1 if cpu else args.max_gpus, dtype_bytes=nbytes,
+                        kv_dtype_bytes=kv_bytes, kv_cache_memory_bytes=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size)
+    except SloError as e:
+        args.parser.error(f"argument --{e.setting.replace('_', '-')}: {e.message}")
+    command = ["engine", "serve", "--model", str(args.model), "--dtype", dtype,
+               "--max-num-seqs", str(plan.max_num_seqs), "--max-model-len", str(load.longest)]
+    if plan.tp > 1:
+        command += ["--tensor-parallel-size", str(plan.tp)]
+    if plan.replicas > 1:
+        command += ["--data-parallel-size", str(plan.replicas)]
+    command += (["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None
+                else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)])
+    p = plan.prediction
+    payload = {"model": spec.name, "device": asdict(dev), **asdict(plan), "command": shlex.join(command)}
+    table = "\n".join([
+        f"{spec.name} on {dev.name}: {args.request_rate:g} requests/s of {load.prompt:g} prompt / {load.output:g} "
+        f"output tokens; targets TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms",
+        f"layout          {plan.replicas} replica(s) x TP {plan.tp} = {plan.gpus} GPU(s)",
+        f"max_num_seqs    {plan.max_num_seqs} (running per replica predicted: {p.concurrency:,.1f})",
+        f"KV budget       {plan.kv_budget_bytes / GiB:,.2f} GiB per GPU = {plan.kv_capacity_tokens:,} tokens",
+        f"predicted       TTFT {p.ttft * 1e3:,.1f} ms, TPOT {p.tpot * 1e3:,.2f} ms, {p.throughput:,.1f} output tok/s",
+        "",
+        shlex.join(command),
+    ])
+    print(json.dumps(payload, indent=2) if args.json else table)
+    return 0
