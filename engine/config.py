@@ -85,6 +85,8 @@ class EngineConfig:
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
     data_parallel_size: int = _knob(1, "independent engine replicas behind one server")
+    enable_expert_parallel: bool = _knob(False, "mixture-of-experts: the tensor-parallel ranks hold whole "
+                                                "experts each instead of a slice of every expert")
     pipeline_micro_batches: int | None = _knob(None, "micro-batches per engine step with pipeline stages, so "
                                                      "that the stages work at once; 1 turns the overlap off "
                                                      "(default: one per pipeline stage)")

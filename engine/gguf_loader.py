@@ -21,6 +21,7 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen2Config,
@@ -53,6 +54,12 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtral (llama.cpp writes it as "llama" with an expert count): the router, and each layer's
+    # experts merged into one 3-D tensor per matrix, [experts, out, in] in torch's order.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -94,8 +101,8 @@ class GGUFModel:
             name = _hf_name(t.name)
             # dequantize() returns rows in torch's (out_features, in_features) order.
             w = dequantize(t.data, t.tensor_type)
-            # Only llama.cpp's LlamaModel converter permutes; qwen2/qwen3 keep HF order.
-            if cfg.model_type == "llama":
+            # Only llama.cpp's LlamaModel converter (Llama, Mistral, Mixtral) permutes; qwen2/qwen3 keep HF order.
+            if cfg.model_type in ("llama", "mixtral"):
                 if ".q_proj." in name:
                     w = _unpermute_rotary(w, cfg.num_attention_heads)
                 elif ".k_proj." in name:
@@ -158,8 +165,16 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     )
     head_dim = meta("attention.key_length")
     config_cls, hf_arch = _ARCHITECTURES[arch]
+    experts = {}
+    if (num_experts := meta("expert_count")) and arch == "llama":
+        config_cls, hf_arch = MixtralConfig, "MixtralForCausalLM"
+        experts = dict(num_local_experts=num_experts, num_experts_per_tok=meta("expert_used_count"))
+    elif num_experts:
+        raise ValueError(f"{path}: GGUF {arch!r} with experts is not supported; of the mixture-of-experts GGUF "
+                         "files, Mixtral's (architecture 'llama' with llama.expert_count) is")
     config = config_cls(
         architectures=[hf_arch],
+        **experts,
         # token_embd's row count is the vocab the weights have; `{arch}.vocab_size` is often absent.
         vocab_size=int(names["token_embd.weight"].shape[1]),
         hidden_size=meta("embedding_length"),

@@ -210,16 +210,11 @@ def checkpoint_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]
 def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader; every parameter must be filled."""
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules", {})
     missing = set(params)
     for name, tensor in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)):
             continue
-        target, shard_id = name, None
-        for ckpt_part, (param_part, shard) in packed.items():
-            if f".{ckpt_part}." in name:
-                target, shard_id = name.replace(f".{ckpt_part}.", f".{param_part}."), shard
-                break
+        target, shard_id = model.checkpoint_target(name)
         tied = getattr(model, "tie_word_embeddings", False)
         if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
             target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
+from engine.layers.moe import pack_experts
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
 from engine.distributed.state import min_over_ranks, pp_state, tp_state
@@ -111,6 +112,7 @@ class ModelRunner:
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
         pack_weights(self.model, self.backend.pack_linear_weight)
+        pack_experts(self.model, self.backend.pack_moe_weights)
         self.model.eval()
         # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
         self.last_stage = pp_state().rank == pp_state().size - 1

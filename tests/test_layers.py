@@ -22,7 +22,7 @@ LAYERS = [
     ("layers", ["engine.layers"]),
     ("distributed", ["engine.distributed"]),
     # planning is plain arithmetic: the engine sizes its KV cache with it (its CLI is an entry point).
-    ("data, config and formulas", ["engine.config", "engine.arg_utils", "engine.sampling_params",
+    ("data, config and formulas", ["engine.config", "engine.arg_utils", "engine.sampling_params", "engine.moe_config",
                                    "engine.request", "engine.outputs", "engine.scheduler_output",
                                    "engine.planning"]),
     ("kernels", ["kernels"]),

@@ -70,6 +70,9 @@ def _config(model_type: str, vocab_size: int, tokenizer, **kw):
         "mistral": "MistralConfig",
         "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
     }
     if model_type not in classes:
         raise ValueError(f"model_type must be one of {sorted(classes)}, got {model_type!r}")
@@ -90,9 +93,9 @@ def _config(model_type: str, vocab_size: int, tokenizer, **kw):
         initializer_range=0.2,
         dtype="float32",
     )
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         args["sliding_window"] = None  # full attention: the engine's default path
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         args["use_sliding_window"] = False
     args.update({k: v for k, v in kw.items() if v is not None})
     return getattr(transformers, classes[model_type])(**args)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.layout import ParallelLayout
-from engine.distributed.state import (PipelineParallelState, TensorParallelState, WorldState, reset_parallel_state,
-                                   set_parallel_state)
+from engine.distributed.state import (ExpertParallelState, PipelineParallelState, TensorParallelState, WorldState,
+                                   reset_parallel_state, set_parallel_state)
 
 START_TIMEOUT = datetime.timedelta(minutes=10)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -56,8 +56,9 @@ def init_distributed(layout: ParallelLayout, rank: int, device: torch.device, in
         prev_rank=layout.rank(stage - 1, tp_rank) if stage > 0 else None,
         next_rank=layout.rank(stage + 1, tp_rank) if stage < layout.pp - 1 else None,
         group=device)
+    ep = ExpertParallelState(tp_rank, layout.tp) if layout.expert_parallel else ExpertParallelState()
     set_parallel_state(TensorParallelState(tp_rank, layout.tp, tp_group), pp,
-                       WorldState(rank, layout.world_size, cpu))
+                       WorldState(rank, layout.world_size, cpu), ep)
     return control
 
 

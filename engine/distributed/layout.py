@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from engine.moe_config import MoeConfig
+
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -19,6 +21,7 @@ class ParallelLayout:
     tp: int
     pp: int
     layer_ranges: tuple[tuple[int, int], ...]  # one contiguous [start, end) per stage
+    expert_parallel: bool = False  # MoE: a stage's TP ranks hold whole experts, not slices of each
 
     @property
     def world_size(self) -> int:
@@ -73,14 +76,14 @@ def _or_list(values: list[int]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
-def _tp_problem(tp: int, heads: int, kv_heads: int, ffn: int) -> str | None:
+def _tp_problem(tp: int, heads: int, kv_heads: int, ffn: int | None) -> str | None:
     if heads % tp:
         return f"does not divide {heads} attention heads"
     if kv_heads >= tp and kv_heads % tp:
         return f"does not divide {kv_heads} KV heads"
     if kv_heads < tp and tp % kv_heads:
         return f"is not a multiple of the {kv_heads} KV heads (each KV head is replicated on a whole number of ranks)"
-    if ffn % tp:
+    if ffn is not None and ffn % tp:
         return f"does not divide intermediate_size {ffn}"
     return None
 
@@ -90,11 +93,20 @@ def check_layout(config, hf_config) -> ParallelLayout:
     tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    ffn, layers = hf_config.intermediate_size, hf_config.num_hidden_layers
+    layers = hf_config.num_hidden_layers
+    moe = MoeConfig.from_hf_config(hf_config)
+    # A dense MLP's intermediate size splits over the ranks; Mixtral's names its experts' instead.
+    has_dense = moe is None or any(not moe.is_sparse(i) for i in range(layers))
+    ffn = hf_config.intermediate_size if has_dense else None
     problem = _tp_problem(tp, heads, kv_heads, ffn)
     if problem:
         good = [t for t in range(1, heads + 1) if _tp_problem(t, heads, kv_heads, ffn) is None]
         raise ValueError(f"tensor_parallel_size {tp} {problem}; use {_or_list(good)}")
+    if config.enable_expert_parallel and moe is None:
+        raise ValueError(f"enable_expert_parallel is for mixture-of-experts models; {hf_config.model_type!r} "
+                         "has no experts: leave it off")
+    if moe is not None and (problem := moe.shard_problem(tp, config.enable_expert_parallel)):
+        raise ValueError(problem)
     if pp > layers:
         raise ValueError(f"pipeline_parallel_size {pp} is more than the model's {layers} layers "
                          f"(every stage needs one); use at most {layers}")
@@ -115,7 +127,7 @@ def check_layout(config, hf_config) -> ParallelLayout:
             raise ValueError(f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} x data_parallel_size {dp} "
                              f"needs {tp * pp * dp} GPUs and this machine has {have}; use smaller sizes, "
                              "or device='cpu'")
-    return ParallelLayout(tp, pp, tuple(ranges))
+    return ParallelLayout(tp, pp, tuple(ranges), expert_parallel=config.enable_expert_parallel and tp > 1)
 
 
 def _cuda_count() -> int:

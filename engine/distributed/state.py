@@ -1,4 +1,4 @@
-"""Which tensor-parallel rank and pipeline stage this process is. Single-process defaults: rank 0
+"""Which tensor-parallel rank, pipeline stage and expert shard this process is. Single-process defaults: rank 0
 of 1, stage 0 of 1 owning every layer.
 
 `engine.distributed.groups` sets these when it builds the process groups; layers read them at
@@ -29,6 +29,18 @@ class PipelineParallelState:
 
 
 @dataclass
+class ExpertParallelState:
+    """Expert parallel: a stage's TP ranks split the experts of each MoE layer between them, whole
+    experts per rank, instead of each rank holding a slice of every expert. Attention stays tensor
+    parallel, so every rank already has every token's hidden state: each computes its own experts'
+    share and the shares meet in the same all-reduce (over the TP group) a row-parallel layer ends
+    with. size 1: experts are sliced like any MLP."""
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass
 class WorldState:
     """Every process of one engine replica (TP x PP ranks)."""
 
@@ -40,6 +52,7 @@ class WorldState:
 _tp = TensorParallelState()
 _pp = PipelineParallelState()
 _world = WorldState()
+_ep = ExpertParallelState()
 
 
 def tp_state() -> TensorParallelState:
@@ -54,9 +67,14 @@ def world_state() -> WorldState:
     return _world
 
 
-def set_parallel_state(tp: TensorParallelState, pp: PipelineParallelState, world: WorldState) -> None:
-    global _tp, _pp, _world
-    _tp, _pp, _world = tp, pp, world
+def ep_state() -> ExpertParallelState:
+    return _ep
+
+
+def set_parallel_state(tp: TensorParallelState, pp: PipelineParallelState, world: WorldState,
+                       ep: ExpertParallelState | None = None) -> None:
+    global _tp, _pp, _world, _ep
+    _tp, _pp, _world, _ep = tp, pp, world, ep or ExpertParallelState()
 
 
 def reset_parallel_state() -> None:

@@ -45,9 +45,9 @@ def make_executor(config, source):
     if world_state().size > 1:  # layers read the process-wide parallel state as they are built
         raise RuntimeError("a tensor/pipeline-parallel engine is already running in this process: shut it down "
                            "(LLM.shutdown(), or leave its `with` block) before starting another engine")
-    if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and not launched_by_torchrun():
-        return ModelRunner(config, source)
     layout = check_layout(config, source.hf_config)
+    if layout.world_size == 1 and not launched_by_torchrun():
+        return ModelRunner(config, source)
     return ParallelExecutor(config, source, layout)
 
 

@@ -16,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from engine.layers.linear import packed_bytes
+from engine.layers.moe import packed_expert_bytes
 from engine.distributed import pipeline
 from engine.distributed.groups import destroy_distributed, init_distributed
 from engine.distributed.layout import ParallelLayout
@@ -88,7 +89,8 @@ def rank_report(runner) -> dict:
     return {
         "rank": dist.get_rank(), "stage": pp_state().rank, "tp_rank": tp_state().rank,
         "layer_range": pp_state().layer_range, "num_layers": len(list(runner.model.layers())),
-        "param_bytes": _storage_bytes(runner.model.parameters()) + packed_bytes(runner.model),
+        "param_bytes": (_storage_bytes(runner.model.parameters()) + packed_bytes(runner.model)
+                        + packed_expert_bytes(runner.model)),
         "kv_cache_bytes": _storage_bytes(runner.kv_caches), "num_blocks": runner.num_blocks,
         "steps": c.steps, "step_s": c.step_s, "compute_s": c.compute_s, "recv_wait_s": c.recv_wait_s,
         "busy_s": c.busy_s,

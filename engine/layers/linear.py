@@ -115,13 +115,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A's input columns split across ranks; partial sums are all-reduced."""
+    """y = x A^T with A's input columns split across ranks; partial sums are all-reduced, unless
+    `reduce_results` is False: then the caller adds more partial sums and reduces once."""
 
     packed_weight = None  # set by pack_weights
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         tp = tp_state()
+        assert reduce_results or not bias, "a bias is added after the reduction"
+        self.reduce_results = reduce_results
         assert in_features % tp.size == 0, f"{in_features} input features do not split over {tp.size} ranks"
         self.in_per_rank = in_features // tp.size
         self.weight = _param(out_features, self.in_per_rank, loader=self.weight_loader)
@@ -133,5 +136,8 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(get_forward_context().backend.linear(x, self.weight, None, self.packed_weight))
+        y = get_forward_context().backend.linear(x, self.weight, None, self.packed_weight)
+        if not self.reduce_results:
+            return y
+        y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

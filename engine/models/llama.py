@@ -1,4 +1,5 @@
 """One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+Their mixture-of-experts siblings (engine/models/moe.py) are this decoder with another MLP.
 
 Grouped-query attention, RoPE, RMSNorm, SwiGLU, tied or untied embeddings. Checkpoint names
 follow transformers; `packed_modules` maps the separate q/k/v and gate/up tensors of a
@@ -19,6 +20,11 @@ from engine.layers.rotary import RotaryEmbedding, rope_settings
 from engine.distributed.pipeline import recv_activations, send_activations
 
 
+# model_type -> what its attention has beyond Llama's; a MoE sibling has its dense twin's attention.
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
@@ -28,14 +34,14 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type in QKV_BIAS_TYPES
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads, num_kv_heads,
                                           qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias=bool(getattr(cfg, "attention_bias", False)))
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -57,24 +63,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    """SwiGLU. `intermediate_size` defaults to the config's (a MoE model's shared expert has its
+    own); `reduce_results=False` leaves the TP partial sums to the caller (who adds more first)."""
+
+    def __init__(self, cfg, intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu' (SwiGLU)")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=bool(getattr(cfg, "mlp_bias", False)))
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                           bias=bool(getattr(cfg, "mlp_bias", False)))
+        inter = intermediate_size or cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(get_forward_context().backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -95,14 +104,15 @@ class LlamaModel(nn.Module):
     Runs inside a forward context (engine/layers/context.py): the step's attention metadata and
     the kernel backend reach every layer through it."""
 
-    def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
+    def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None, make_mlp):
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
         self.hidden_size = cfg.hidden_size
         self.dtype = torch.get_default_dtype()  # the model's (the runner builds it under its dtype)
         first, last = self.start_layer == 0, self.end_layer == cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(self.start_layer, self.end_layer)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, make_mlp(cfg, i))
+                                     for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         theta, scaling = rope_settings(cfg)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, theta, scaling)
@@ -133,12 +143,25 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, layer_range)
+        self.model = LlamaModel(cfg, max_positions, layer_range, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.norm is not None else None
         if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             # A last stage without the embeddings keeps its own copy as the head (loaded from them).
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(cfg, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP: dense here; a mixture-of-experts family routes some layers."""
+        return MLP(cfg)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(parameter name, shard id or None) that checkpoint tensor `name` loads into: the
+        separate q/k/v and gate/up tensors go to their fused parameter (`packed_modules`)."""
+        for ckpt_part, (param_part, shard) in self.packed_modules.items():
+            if f".{ckpt_part}." in name:
+                return name.replace(f".{ckpt_part}.", f".{param_part}."), shard
+        return name, None
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeForCausalLM
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
 }
 
 

@@ -22,8 +22,9 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 # CPU's default backend (C++ kernels, packed matmuls) for every family; the pure-torch reference
-# backend, the CPU fallback, for two (Llama GQA, and Qwen3 with q/k norms).
-CASES = [(family, "cpu") for family in sorted(FAMILIES)] + [("llama", "torch"), ("qwen3", "torch")]
+# backend, the CPU fallback, for three (Llama GQA, Qwen3 with q/k norms, Qwen2-MoE).
+CASES = ([(family, "cpu") for family in sorted(FAMILIES)]
+         + [("llama", "torch"), ("qwen3", "torch"), ("qwen2_moe", "torch")])
 
 
 @pytest.mark.parametrize("family, backend", CASES)

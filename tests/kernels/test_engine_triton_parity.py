@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine import LLM, SamplingParams
 from tests.engine.hf_oracle import hf_greedy
 from tests.tiny_model import build_tiny_model
 
 
-def test_engine_greedy_parity_with_triton_backend(triton_ops, tmp_path):
-    path = build_tiny_model(tmp_path / "tiny", model_type="llama", num_attention_heads=4, num_key_value_heads=2)
+# Llama, and Mixtral for the grouped-GEMM MoE kernel (8 experts, top-2).
+MODELS = {"llama": dict(model_type="llama"),
+          "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=36)}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_engine_greedy_parity_with_triton_backend(triton_ops, tmp_path, family):
+    path = build_tiny_model(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2, **MODELS[family])
     # Small enough for the interpreter; chunked prefill (budget 24) and a prompt ending mid-block.
     llm = LLM(path, attention_backend="triton", num_kv_blocks=32, max_num_batched_tokens=24, max_model_len=256)
     assert llm.engine.runner.attn_backend == "triton"

@@ -14,7 +14,8 @@ from tests.tiny_model import build_tiny_model
 # Modules whose every test starts worker or replica processes; elsewhere in this folder, a test
 # that asks for `new_processes` does. They are the slow lane (`pytest -m "not slow"` skips them).
 _MULTI_PROCESS_MODULES = {"test_tp_pp_parity", "test_failures", "test_data_parallel_offline",
-                          "test_data_parallel_server", "test_torchrun", "test_kv_replication"}
+                          "test_data_parallel_server", "test_torchrun", "test_kv_replication",
+                          "test_moe_parallel"}
 _HERE = Path(__file__).parent
 
 

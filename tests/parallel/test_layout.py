@@ -14,8 +14,8 @@ from engine.frontend.router import Router
 
 
 def hf(heads=4, kv_heads=2, layers=4, ffn=128):
-    return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
-                           intermediate_size=ffn)
+    return SimpleNamespace(model_type="llama", num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           num_hidden_layers=layers, intermediate_size=ffn)
 
 
 def layout(tp=1, pp=1, dp=1, partition=None, **model):
