@@ -1,4 +1,4 @@
-"""Random-weight Llama checkpoints of a chosen size, for throughput benchmarks.
+"""Random-weight Llama (and Mixtral) checkpoints of a chosen size, for throughput benchmarks.
 
 Speed does not depend on the weights' values, so a random model of the right shape
 measures a size no small real model covers. The tokenizer is a real one (by default the
@@ -6,6 +6,7 @@ embedded SmolLM2's, 49,152 tokens), so every id the model emits decodes.
 
     python -m engine.bench.random_model /tmp/llama-350m               # ~0.35B, bfloat16
     python -m engine.bench.random_model OUT --preset llama-1b --tokenizer PATH
+    python -m engine.bench.random_model /tmp/mixtral-tiny --preset mixtral-tiny  # 8 experts, top-2
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ PRESETS = {
                        num_attention_heads=16, num_key_value_heads=8),  # 0.349B with a 49,152 vocabulary
     "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
                      num_attention_heads=32, num_key_value_heads=8),
+    # A small Mixtral: 0.32B parameters, 0.15B of them active per token (2 of 8 experts).
+    "mixtral-tiny": dict(model_type="mixtral", hidden_size=768, intermediate_size=1024, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
-def build_random_llama(path: str, preset: str = "llama-350m", tokenizer: str | None = None,
+def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | None = None,
                        dtype: str = "bfloat16", seed: int = 0, max_position_embeddings: int = 4096) -> str:
     import torch
     import transformers
@@ -35,9 +39,10 @@ def build_random_llama(path: str, preset: str = "llama-350m", tokenizer: str | N
 
         tokenizer = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
-    shape = PRESETS[preset]
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+    shape = dict(PRESETS[preset])
+    model_type = shape.pop("model_type", "llama")
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=len(tok), head_dim=shape["hidden_size"] // shape["num_attention_heads"],
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    build_random_llama(args.path, args.preset, args.tokenizer, args.dtype, args.seed)
+    build_random_model(args.path, args.preset, args.tokenizer, args.dtype, args.seed)
     return 0
 
 

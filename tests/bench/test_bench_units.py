@@ -235,7 +235,7 @@ def test_random_model_builds_a_loadable_llama(tmp_path, monkeypatch):
     build_tokenizer().save_pretrained(tok_dir)
     monkeypatch.setitem(random_model.PRESETS, "toy", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                           num_attention_heads=2, num_key_value_heads=1))
-    path = random_model.build_random_llama(str(tmp_path / "m"), "toy", tokenizer=str(tok_dir), dtype="bfloat16")
+    path = random_model.build_random_model(str(tmp_path / "m"), "toy", tokenizer=str(tok_dir), dtype="bfloat16")
     cfg = transformers.AutoConfig.from_pretrained(path)
     assert (cfg.head_dim, cfg.vocab_size, cfg.num_key_value_heads) == (32, len(build_tokenizer()), 1)
     assert transformers.AutoTokenizer.from_pretrained(path).eos_token_id == cfg.eos_token_id
