@@ -1,16 +1,18 @@
 """Read a GGUF file (llama.cpp's format) as a Hugging Face-style model.
 
 `load_gguf(path)` gives the transformers config, the tokenizer (with its chat
-template), the generation settings, and `tensors()`: (HF parameter name, float32
-tensor) pairs dequantized with the `gguf` package. The engine loads those pairs
-exactly as it loads a safetensors checkpoint.
+template), the generation settings, and `tensors()`: (HF parameter name, tensor)
+pairs, float32 dequantized with the `gguf` package, or, for the names asked for
+natively, the tensor as stored (engine.quant.QuantizedTensor: its GGUF blocks).
+`types()` names each tensor's GGUF type before any is read, so the loader can decide
+which layers keep their weights quantized (engine/loader.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +29,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from engine.quant import FORMATS, QuantizedTensor
 
 # GGUF `general.architecture` -> (config class, HF architecture name).
 # llama.cpp writes Mistral and SmolLM2 as "llama" too.
@@ -94,20 +98,38 @@ class GGUFModel:
     generation_config: GenerationConfig
     reader: GGUFReader = field(repr=False)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor), dequantizing one tensor at a time."""
+    def types(self) -> dict[str, tuple[str, str]]:
+        """HF name -> (GGUF tensor name, GGUF type name), e.g. ("blk.0.attn_q.weight", "Q4_1")."""
+        return {_hf_name(t.name): (t.name, t.tensor_type.name) for t in self.reader.tensors}
+
+    def tensors(self, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Yield (HF name, float32 tensor), dequantizing one tensor at a time; a name in `native`
+        (its type one of engine.quant.FORMATS) comes as stored instead, a QuantizedTensor."""
         cfg = self.config
         for t in self.reader.tensors:
             name = _hf_name(t.name)
-            # dequantize() returns rows in torch's (out_features, in_features) order.
-            w = dequantize(t.data, t.tensor_type)
+            if name in native:
+                # The raw blocks, [rows, row bytes]: each row is one output row, as dequantize() orders them.
+                w = t.data
+            else:
+                # dequantize() returns rows in torch's (out_features, in_features) order.
+                try:
+                    w = dequantize(t.data, t.tensor_type)
+                except NotImplementedError:
+                    raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot "
+                                     f"dequantize here; supported: {', '.join(FORMATS)} as stored, other types "
+                                     "that gguf.quants dequantizes as float") from None
             # Only llama.cpp's LlamaModel converter (Llama, Mistral, Mixtral) permutes; qwen2/qwen3 keep HF order.
+            # The permutation moves whole rows, so it applies to a row of blocks as to a row of floats.
             if cfg.model_type in ("llama", "mixtral"):
                 if ".q_proj." in name:
                     w = _unpermute_rotary(w, cfg.num_attention_heads)
                 elif ".k_proj." in name:
                     w = _unpermute_rotary(w, cfg.num_key_value_heads)
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: off the memmap
+            if name in native:
+                yield name, QuantizedTensor(torch.from_numpy(np.array(w, dtype=np.uint8)), FORMATS[t.tensor_type.name])
+            else:
+                yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: off the memmap
 
 
 def _field(reader: GGUFReader, key: str, default=None):

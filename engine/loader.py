@@ -3,6 +3,12 @@
 A model is a Hugging Face folder (config.json + *.safetensors, single or sharded) or a .gguf
 file. Each parameter's own `weight_loader` copies its shard, so this file knows nothing about
 tensor parallelism.
+
+A .gguf file's linear weights stay in their block format (engine/quant) when every checkpoint
+tensor of the layer has one type and the format is one engine.quant supports (`gguf_weights`
+"native", the default); other quantized tensors (the token embedding, a layer with mixed types)
+are dequantized to float as before, with a log line saying which. `gguf_weights="dequantize"`
+dequantizes every tensor (the path before engine/quant existed).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +32,7 @@ class ModelSource:
     hf_config: object
     tokenizer: object
     eos_token_ids: list[int] = field(default_factory=list)
+    gguf_weights: str = "native"  # a .gguf's quantized linear weights: "native" (kept as blocks) | "dequantize"
 
     @property
     def is_gguf(self) -> bool:
@@ -36,13 +43,18 @@ class ModelFolderError(ValueError):
     """A model path that cannot be served as it is; the message says what to change."""
 
 
+GGUF_WEIGHTS = ("native", "dequantize")
+
+
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
-                  chat_template: str | None = None) -> ModelSource:
+                  chat_template: str | None = None, gguf_weights: str = "native") -> ModelSource:
     """Open a model folder, a .gguf file, or (path None) the embedded default model.
 
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
-    file) replaces the tokenizer's own."""
+    file) replaces the tokenizer's own. `gguf_weights`: see the module docstring."""
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights {gguf_weights!r} is unknown; use one of {GGUF_WEIGHTS}")
     if path is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -59,7 +71,7 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
         gguf = load_gguf(path)
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
         _set_chat_template(tokenizer, chat_template)
-        return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None))
+        return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None), gguf_weights)
     check_model_folder(path)
     from transformers import AutoConfig
 
@@ -190,39 +202,109 @@ def _eos_ids(tokenizer, hf_config, folder: str | None) -> list[int]:
     return ids
 
 
-def checkpoint_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    if source.is_gguf:
+class GGUFTensors:
+    """A .gguf file's tensors, iterable like any checkpoint's (name, tensor) pairs, plus what
+    load_weights needs to decide first which of them stay quantized: each one's GGUF type, and
+    `native`, the names load_weights chose (set before iterating)."""
+
+    def __init__(self, path: str, gguf_weights: str):
         from engine.gguf_loader import load_gguf
 
-        yield from load_gguf(source.path).tensors()
-        return
+        self.path = path
+        self.gguf_weights = gguf_weights
+        self.model = load_gguf(path)
+        self.types = self.model.types()  # HF name -> (GGUF name, GGUF type name)
+        self.native: set[str] = set()
+
+    def __iter__(self):
+        return self.model.tensors(self.native)
+
+
+def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
+    if source.is_gguf:
+        return GGUFTensors(source.path, source.gguf_weights)
+    return _safetensors(source.path)
+
+
+def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors files in {source.path!r}")
+        raise ValueError(f"no *.safetensors files in {path!r}")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
+    """The parameter checkpoint tensor `name` loads into, or None where none here does."""
+    tied = getattr(model, "tie_word_embeddings", False)
+    if "rotary_emb" in name or (name == "lm_head.weight" and tied):
+        return None
+    target, _ = model.checkpoint_target(name)
+    if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
+        target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)
+    return target if target in params else None
+
+
+def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
+    """Turn each linear layer whose GGUF tensors all share one supported block format into a
+    quantized layer (quantize_weight) and mark those tensors to come as stored. A quantized tensor
+    of a type with no format, bound for such a layer, is an error; one bound elsewhere (an
+    embedding, a layer whose parts mix types) is dequantized with a log line."""
+    from engine.quant import FLOAT_TYPES, FORMATS
+
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    parts: dict[str, list[tuple[str, str, str]]] = {}  # target -> [(HF name, GGUF name, type)]
+    for name, (gguf_name, kind) in tensors.types.items():
+        if (target := _target(model, name, params)) is not None:
+            parts.setdefault(target, []).append((name, gguf_name, kind))
+    dequantized: list[str] = []
+    for target, group in parts.items():
+        kinds = {kind for _, _, kind in group}
+        if kinds <= set(FLOAT_TYPES):
+            continue
+        if tensors.gguf_weights == "dequantize":
+            dequantized += [f"{g} ({k})" for _, g, k in group if k not in FLOAT_TYPES]
+            continue
+        module = modules.get(target.rpartition(".")[0])
+        holder = target.endswith(".weight") and hasattr(module, "quantize_weight")
+        if holder and len(kinds) == 1 and next(iter(kinds)) in FORMATS:
+            module.quantize_weight(FORMATS[kinds.pop()])
+            tensors.native.update(name for name, _, _ in group)
+            continue
+        # Still served, as float: never silently (the log line below names each one and why).
+        for _, g, k in group:
+            if k in FLOAT_TYPES:
+                continue
+            why = ("no native kernel for it yet" if k not in FORMATS else
+                   "its layer mixes types" if holder else "its parameter keeps float weights")
+            dequantized.append(f"{g} ({k}, {why})")
+    if dequantized:
+        how = "as asked (gguf_weights='dequantize')" if tensors.gguf_weights == "dequantize" else "not natively"
+        more = f", ... ({len(dequantized) - 4} more)" if len(dequantized) > 4 else ""
+        native_note = f"; kept as stored: {', '.join(FORMATS)}" if tensors.gguf_weights == "native" else ""
+        logger.warning("GGUF: %d quantized tensor(s) dequantized to float, %s: %s%s", len(dequantized), how,
+                       ", ".join(dequantized[:4]) + more, native_note)
+
+
+def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader; every parameter must be filled."""
+    if isinstance(tensors, GGUFTensors):
+        choose_native_weights(model, tensors)
     params = dict(model.named_parameters())
     missing = set(params)
     for name, tensor in tensors:
-        if "rotary_emb" in name or (name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)):
-            continue
-        target, shard_id = model.checkpoint_target(name)
-        tied = getattr(model, "tie_word_embeddings", False)
-        if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
-            target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)
-        param = params.get(target)
-        if param is None:
+        if (target := _target(model, name, params)) is None:
             continue  # another pipeline stage's layer, or a tensor this model does not use
+        _, shard_id = model.checkpoint_target(name)
+        param = params[target]
         loader = param.weight_loader if hasattr(param, "weight_loader") else _copy
-        tensor = tensor.to(param.dtype)
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.to(param.dtype)
         loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
         missing.discard(target)
     if missing:

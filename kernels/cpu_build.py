@@ -1,5 +1,6 @@
-"""Builds kernels/cpu_ops.cpp on first use (torch's JIT extension builder, needs a C++ compiler)
-and caches the library under torch's extension folder ($TORCH_EXTENSIONS_DIR to move it).
+"""Builds kernels/cpu_ops.cpp (load) and kernels/cpu_quant.cpp (load_quant) on first use (torch's
+JIT extension builder, needs a C++ compiler) and caches each library under torch's extension
+folder ($TORCH_EXTENSIONS_DIR to move it).
 
 The library's name carries a hash of its source, the compile flags and the torch version, so an
 edited kernel or an upgraded torch builds a fresh one instead of loading a stale binary. The
@@ -18,6 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+QUANT_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 
 # torch's vector-ISA names -> the flags its own kernels of that capability are compiled with.
 _ISA_FLAGS = {
@@ -28,6 +30,8 @@ _ISA_FLAGS = {
 _lock = threading.Lock()
 _module = None
 _error: Exception | None = None
+_quant_module = None
+_quant_error: Exception | None = None
 
 
 def _flags() -> list[str]:
@@ -39,6 +43,18 @@ def _flags() -> list[str]:
     return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}", *_ISA_FLAGS.get(isa, [])]
 
 
+def _build(source_path: Path, prefix: str):
+    import torch
+    from torch.utils.cpp_extension import load_inline
+
+    source = source_path.read_text()
+    flags = _flags()
+    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:16]
+    logger.info("loading the CPU kernels of %s (built on first use, about half a minute)", source_path.name)
+    return load_inline(f"{prefix}_{digest}", cpp_sources=[source], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], verbose=os.environ.get("PAGEWISE_VERBOSE_BUILD") == "1")
+
+
 def load():
     """The compiled module; raises RuntimeError saying why when it cannot be built."""
     global _module, _error
@@ -48,15 +64,7 @@ def load():
         if _error is not None:
             raise RuntimeError(f"the CPU kernels could not be built: {_error}") from _error
         try:
-            import torch
-            from torch.utils.cpp_extension import load_inline
-
-            source = SOURCE.read_text()
-            flags = _flags()
-            digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:16]
-            logger.info("loading the CPU kernels (built on first use, about half a minute)")
-            _module = load_inline(f"pagewise_cpu_{digest}", cpp_sources=[source], extra_cflags=flags,
-                                  extra_ldflags=["-fopenmp"], verbose=os.environ.get("PAGEWISE_VERBOSE_BUILD") == "1")
+            _module = _build(SOURCE, "pagewise_cpu")
         except Exception as e:  # a missing compiler, headers, or a failed build: all mean "no CPU kernels"
             _error = e
             raise RuntimeError(f"the CPU kernels could not be built: {e}") from e
@@ -70,3 +78,20 @@ def available() -> Exception | None:
     except RuntimeError as e:
         return e
     return None
+
+
+def load_quant():
+    """The compiled kernels/cpu_quant.cpp (matmuls on GGUF block-quantized weights); raises
+    RuntimeError saying why when it cannot be built."""
+    global _quant_module, _quant_error
+    with _lock:
+        if _quant_module is not None:
+            return _quant_module
+        if _quant_error is not None:
+            raise RuntimeError(f"the quantized CPU kernels could not be built: {_quant_error}") from _quant_error
+        try:
+            _quant_module = _build(QUANT_SOURCE, "pagewise_cpu_quant")
+        except Exception as e:  # as in load(): no compiler, headers, or a failed build
+            _quant_error = e
+            raise RuntimeError(f"the quantized CPU kernels could not be built: {e}") from e
+        return _quant_module

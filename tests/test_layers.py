@@ -19,10 +19,11 @@ LAYERS = [
     ("executor", ["engine.executor"]),
     ("runner", ["engine.model_runner", "engine.sampler", "engine.structured_output", "engine.host_memory"]),
     ("models", ["engine.models", "engine.loader", "engine.gguf_loader", "engine.default_model"]),
-    ("layers", ["engine.layers"]),
+    ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
     ("distributed", ["engine.distributed"]),
     # planning is plain arithmetic: the engine sizes its KV cache with it (its CLI is an entry point).
     ("data, config and formulas", ["engine.config", "engine.arg_utils", "engine.sampling_params", "engine.moe_config",
+                                   "engine.cpu_threads",
                                    "engine.request", "engine.outputs", "engine.scheduler_output",
                                    "engine.planning"]),
     ("kernels", ["kernels"]),

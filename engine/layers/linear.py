@@ -1,8 +1,13 @@
 """Megatron-style linear layers. Each parameter carries a `weight_loader` that copies this
-rank's shard of a checkpoint tensor, so the loader never needs to know about sharding."""
+rank's shard of a checkpoint tensor, so the loader never needs to know about sharding.
+
+A layer's weight is float (the model's dtype), or, after quantize_weight(format), a GGUF block
+format's raw blocks (engine/quant): a uint8 parameter [out rows, in / 32 * block bytes] loaded
+from QuantizedTensor shards, multiplied by the format's matmul for the step's backend."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -10,6 +15,9 @@ from torch import nn
 
 from engine.distributed.state import tp_all_reduce, tp_state
 from engine.layers.context import get_forward_context
+from engine.quant import BlockFormat, QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 def pack_weights(model: nn.Module, pack_linear_weight: Callable) -> None:
@@ -19,11 +27,29 @@ def pack_weights(model: nn.Module, pack_linear_weight: Callable) -> None:
     unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
                       for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
+        if not hasattr(module, "packed_weight") or getattr(module, "quant_format", None) is not None:
+            continue  # a quantized weight stays as its blocks: its format's matmul reads them
         module.packed_weight = pack_linear_weight(module.weight)
         if module.packed_weight is not None and id(module.weight) not in unpacked_users:
             module.weight.data = module.weight.data.new_empty(0)
+    logger.info("weights resident: %s", weight_bytes_summary(model))
+
+
+def weight_bytes_summary(model: nn.Module) -> str:
+    """The weights' resident bytes: distinct parameter storages plus packed copies, with the
+    share held as quantized blocks."""
+    storages = {}
+    for p in model.parameters():
+        storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    total = sum(storages.values()) + packed_bytes(model)
+    quantized: dict[str, list[int]] = {}
+    for m in model.modules():
+        if getattr(m, "quant_format", None) is not None:
+            entry = quantized.setdefault(m.quant_format.name, [0, 0])
+            entry[0] += 1
+            entry[1] += m.weight.numel()
+    parts = ", ".join(f"{n} layers {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
+    return f"{total / 2**20:.1f} MiB" + (f" (as GGUF blocks: {parts})" if parts else "")
 
 
 def packed_bytes(model: nn.Module) -> int:
@@ -38,6 +64,18 @@ def _param(*shape: int, loader) -> nn.Parameter:
     return p
 
 
+def _copy_rows(param: nn.Parameter, offset: int, size: int, loaded) -> None:
+    """param rows offset..offset + size <- `loaded` (a float tensor, or a QuantizedTensor for a
+    quantized parameter: then its blocks, as stored)."""
+    quantized = isinstance(loaded, QuantizedTensor)
+    if quantized != (param.dtype == torch.uint8):
+        raise ValueError(f"a {'quantized' if quantized else 'float'} checkpoint tensor cannot load into a "
+                         f"{'quantized' if param.dtype == torch.uint8 else 'float'} weight")
+    if quantized and loaded.format is not param.quant_format:
+        raise ValueError(f"a {loaded.format.name} tensor cannot load into a {param.quant_format.name} weight")
+    param.data.narrow(0, offset, size).copy_(loaded.blocks if quantized else loaded)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
@@ -45,10 +83,32 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A's output rows split across ranks; no communication."""
-
+class _Linear(nn.Module):
     packed_weight = None  # set by pack_weights
+    quant_format: BlockFormat | None = None  # set by quantize_weight
+
+    def quantize_weight(self, fmt: BlockFormat) -> None:
+        """Hold the weight as `fmt`'s raw blocks from now on (before the checkpoint loads)."""
+        rows, in_features = self.weight.shape
+        if in_features % fmt.block_size:
+            raise ValueError(f"{in_features} inputs per rank are not whole {fmt.name} blocks of {fmt.block_size}: "
+                             "use a tensor-parallel size that keeps them whole, or load the GGUF dequantized")
+        blocks = nn.Parameter(torch.empty(rows, fmt.row_bytes(in_features), dtype=torch.uint8,
+                                          device=self.weight.device), requires_grad=False)
+        blocks.weight_loader = self.weight.weight_loader
+        blocks.quant_format = fmt
+        self.weight = blocks
+        self.quant_format = fmt
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        backend = get_forward_context().backend
+        if self.quant_format is not None:
+            return self.quant_format.linear(x, self.weight, bias, backend.name)
+        return backend.linear(x, self.weight, bias, self.packed_weight)
+
+
+class ColumnParallelLinear(_Linear):
+    """y = x A^T with A's output rows split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -60,10 +120,10 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank = tp_state().rank
-        param.data.copy_(loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
+        _copy_rows(param, 0, self.out_per_rank, loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_forward_context().backend.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -77,7 +137,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = tp_state()
         size = self.out_sizes[shard_id] // tp.size
         offset = sum(self.out_sizes[:shard_id]) // tp.size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
+        _copy_rows(param, offset, size, loaded.narrow(0, tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -111,14 +171,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_head = (tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size
                        else tp.rank * self.num_kv_heads)
             start = kv_head * self.head_dim
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        _copy_rows(param, offset, size, loaded.narrow(0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = x A^T with A's input columns split across ranks; partial sums are all-reduced, unless
     `reduce_results` is False: then the caller adds more partial sums and reduces once."""
-
-    packed_weight = None  # set by pack_weights
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
@@ -133,10 +191,10 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank = tp_state().rank
-        param.data.copy_(loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
+        _copy_rows(param, 0, param.shape[0], loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = get_forward_context().backend.linear(x, self.weight, None, self.packed_weight)
+        y = self.matmul(x, None)
         if not self.reduce_results:
             return y
         y = tp_all_reduce(y)

@@ -1,0 +1,12 @@
+"""Weight formats: how a weight is stored and the matmul that consumes it.
+
+Today: GGUF's block formats Q8_0, Q4_0 and Q4_1 (formats.py), kept as the file stores them and
+multiplied by the cpu backend's C++ kernels (kernels/cpu_quant.cpp) or, on any other backend, by
+dequantize-then-F.linear. A linear layer holds such a weight as a uint8 parameter plus its format
+(engine/layers/linear.py, quantize_weight); the GGUF loader hands it QuantizedTensor shards.
+"""
+
+from engine.quant.formats import BLOCK_SIZE, FLOAT_TYPES, FORMATS, BlockFormat, reference_linear
+from engine.quant.tensor import QuantizedTensor
+
+__all__ = ["BLOCK_SIZE", "FLOAT_TYPES", "FORMATS", "BlockFormat", "QuantizedTensor", "reference_linear"]

@@ -1,0 +1,66 @@
+"""Matmuls on GGUF block-quantized weights on the CPU: kernels/cpu_quant.cpp (built on first use
+by kernels/cpu_build.load_quant) behind one call, linear(x, blocks, fmt, bias).
+
+A weight is its GGUF rows as stored: uint8 [N, K / 32 * block bytes], blocks of 32 weights in
+order along each row (the C++ file gives each format's block layout). Which kernel runs, by the
+number of activation rows M (measured on the 2-core AVX-512 machine, benchmarks/quant/):
+  M <= DEQUANT_GEMM_ROWS   linear_f32: each block dequantized to float in registers and FMA'd
+                           against up to 4 rows at once; exact float math, so it agrees with the
+                           dequantize-then-matmul reference to summation order.
+  M >  DEQUANT_GEMM_ROWS   the whole weight dequantized to the activations' dtype, then F.linear
+                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
+linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI, as
+llama.cpp does) is built and tested but not chosen: see benchmarks/quant/README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_build import load_quant
+
+# The block formats the C++ kernels read, by GGUF type name -> (kernel id, bytes per block of 32).
+FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
+BLOCK_SIZE = 32
+# Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
+DEQUANT_GEMM_ROWS = 16
+
+
+def _check(blocks: torch.Tensor, fmt: str) -> int:
+    if fmt not in FORMATS:
+        raise ValueError(f"block format {fmt!r} has no CPU kernel; supported: {sorted(FORMATS)}")
+    return FORMATS[fmt][0]
+
+
+def in_features(blocks: torch.Tensor, fmt: str) -> int:
+    return blocks.shape[1] // FORMATS[fmt][1] * BLOCK_SIZE
+
+
+def dequantize(blocks: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in float32 or bfloat16 (others go through float32)."""
+    kernel_id = _check(blocks, fmt)
+    w = load_quant().dequantize(blocks, kernel_id, in_features(blocks, fmt), dtype == torch.bfloat16)
+    return w if w.dtype == dtype else w.to(dtype)
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(blocks)^T (+ bias) -> [..., N] in x.dtype."""
+    kernel_id = _check(blocks, fmt)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > DEQUANT_GEMM_ROWS:
+        return F.linear(x, dequantize(blocks, fmt, x.dtype), bias)
+    y = load_quant().linear_f32(rows.float().contiguous(), blocks, kernel_id)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+
+
+def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """llama.cpp's scheme: x quantized to int8 per 32-block, integer dot products (VNNI); float32
+    [M, N]. Not on the engine's path (see the module docstring); kept for measurement."""
+    return load_quant().linear_q8(x.float().contiguous(), blocks, _check(blocks, fmt))
+
+
+def has_vnni() -> bool:
+    return bool(load_quant().has_vnni())

@@ -1,0 +1,189 @@
+"""GGUF weights served as stored (engine/quant + kernels/cpu_quant.cpp) against the same weights
+served dequantized to float, the path every GGUF took before: a tiny random model written to
+GGUF with gguf's writer, its matrices quantized with gguf.quants.quantize. The dequantized twin
+is a float32 GGUF holding gguf.quants.dequantize of those very blocks, which is exactly what the
+dequantizing path loads from the quantized file."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from engine.loader import checkpoint_tensors, load_weights, resolve_model
+from tests.tiny_model import build_tiny_model
+
+PROMPTS = [[5, 9, 33, 100, 7], list(range(3, 60)), [77], [200, 201, 202, 203] * 5, [11, 300, 12, 301],
+           list(range(400, 440, 3)), [42] * 9, [1, 2, 3, 4, 5, 6, 7, 8]]
+MAX_TOKENS = 24
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, folder: str, arch: str, qtype: str | None, as_float: bool = False,
+               override: dict[str, str] | None = None) -> None:
+    """The folder's model as a GGUF whose matrices are `qtype` blocks (norms and biases F32);
+    as_float: the same blocks dequantized, stored F32. `override`: GGUF name -> another type."""
+    c = AutoConfig.from_pretrained(folder)
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_rope_freq_base, c.rope_theta if hasattr(c, "rope_theta") else 10000.0),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps)):
+        add(value)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for hf_name, t in load_file(os.path.join(folder, "model.safetensors")).items():
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        data = t.float().numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            data = _permute(data, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            data = _permute(data, c.num_key_value_heads)
+        kind = (override or {}).get(gguf_name, qtype)
+        if data.ndim == 2 and kind is not None:
+            qt = gguf.GGMLQuantizationType[kind]
+            blocks = quantize(np.ascontiguousarray(data), qt)
+            if as_float:
+                w.add_tensor(gguf_name, np.ascontiguousarray(dequantize(blocks, qt), dtype=np.float32))
+            else:
+                w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=qt)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def greedy(path, folder: str, **config) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(path), tokenizer=folder, num_kv_blocks=128, max_model_len=256, **config)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of generated positions where both chose the same token (greedy streams diverge after a
+    first difference, so this is a lower bound on per-position agreement)."""
+    same = sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+    return same / sum(len(s) for s in a)
+
+
+def forced_agreement(path, folder: str, want: list[list[int]], **config) -> float:
+    """Share of the reference's generated positions where this model's greedy choice, given the
+    reference's own prefix (teacher forcing, through prompt_logprobs), is the reference's token."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(path), tokenizer=folder, num_kv_blocks=128, max_model_len=256, **config)
+    try:
+        outs = llm.generate([p + w for p, w in zip(PROMPTS, want)],
+                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    same = total = 0
+    for prompt, tokens, out in zip(PROMPTS, want, outs):
+        for j, token in enumerate(tokens):
+            position = out.prompt_logprobs[len(prompt) + j]
+            same += max(position, key=position.get) == token
+            total += 1
+    return same / total
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folders = {}
+
+    def get(arch: str) -> str:
+        if arch not in folders:
+            overrides = {"llama": dict(num_attention_heads=4, num_key_value_heads=2),
+                         "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)}[arch]
+            folders[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), model_type=arch, **overrides)
+        return folders[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: q/k rows permuted as blocks; qwen2: biases, tied
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_native_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtype):
+    folder = tiny(arch)
+    native, floats = tmp_path / "native.gguf", tmp_path / "floats.gguf"
+    write_gguf(native, folder, arch, qtype)
+    write_gguf(floats, folder, arch, qtype, as_float=True)
+    want = greedy(floats, folder, dtype="float32")
+    # float32: the kernels differ from the float matmul in summation order only.
+    assert agreement(greedy(native, folder, dtype="float32"), want) >= (1.0 if qtype == "Q8_0" else 0.95)
+    # The torch backend multiplies by dequantize-then-F.linear: the float path's own numbers.
+    assert greedy(native, folder, dtype="float32", attention_backend="torch") == want
+    # bfloat16: the float path rounds the weights to bfloat16, the kernels do not; one flipped token
+    # sends two free-running streams apart, so compare each position on the same prefix.
+    assert forced_agreement(native, folder, greedy(floats, folder, dtype="bfloat16"), dtype="bfloat16") >= 0.95
+
+
+def _loaded(path, gguf_weights: str = "native"):
+    from engine.models.registry import model_class
+
+    source = resolve_model(str(path), tokenizer_path=None, gguf_weights=gguf_weights)
+    with torch.device("cpu"):
+        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
+    load_weights(model, checkpoint_tensors(source))
+    return model
+
+
+def test_linear_layers_hold_blocks_and_the_embedding_floats(tmp_path, tiny, caplog):
+    folder = tiny("llama")
+    path = tmp_path / "q.gguf"
+    write_gguf(path, folder, "llama", "Q4_1")
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        model = _loaded(path)
+    layer = model.model.layers["0"]
+    assert layer.self_attn.qkv_proj.quant_format.name == "Q4_1"
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert layer.mlp.down_proj.quant_format.name == "Q4_1"
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert "token_embd.weight (Q4_1" in caplog.text  # dequantized, and said so
+
+    floats = _loaded(path, gguf_weights="dequantize")
+    assert floats.model.layers["0"].self_attn.qkv_proj.quant_format is None
+    w = floats.model.layers["0"].self_attn.qkv_proj.weight
+    assert torch.equal(layer.self_attn.qkv_proj.quant_format.dequantize(layer.self_attn.qkv_proj.weight), w)
+
+
+def test_mixed_types_in_one_layer_are_dequantized_with_a_log_line(tmp_path, tiny, caplog):
+    folder = tiny("llama")
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, folder, "llama", "Q4_0", override={"blk.0.attn_v.weight": "Q8_0"})
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        model = _loaded(path)
+    assert model.model.layers["0"].self_attn.qkv_proj.quant_format is None
+    assert model.model.layers["1"].self_attn.qkv_proj.quant_format.name == "Q4_0"
+    assert "mixes types" in caplog.text
+
+
+def test_a_type_without_a_native_kernel_is_dequantized_and_said_so(tmp_path, tiny, caplog):
+    """Q5_0 (K-quants likewise) has no kernel here yet: that layer is served from float weights,
+    as every GGUF was before, with a warning naming the tensor; the others stay blocks."""
+    folder = tiny("llama")
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, folder, "llama", "Q4_0", override={"blk.1.ffn_down.weight": "Q5_0"})
+    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+        model = _loaded(path)
+    assert model.model.layers["1"].mlp.down_proj.quant_format is None
+    assert model.model.layers["1"].mlp.gate_up_proj.quant_format.name == "Q4_0"
+    assert "blk.1.ffn_down.weight (Q5_0, no native kernel for it yet)" in caplog.text
