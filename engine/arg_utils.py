@@ -11,7 +11,7 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig, canonical_dtype
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig, canonical_dtype
 
 # vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
 ALIASES = {
@@ -23,7 +23,8 @@ ALIASES = {
 SERVING_ONLY = ("max_waiting_requests", "max_logprobs", "log_requests")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
+            "attention_backend": ATTENTION_BACKENDS}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
           "tib": 1 << 40, "tb": 10**12}
 

@@ -18,7 +18,10 @@ GiB = 1 << 30
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+# vLLM's "fp8" KV cache is e4m3; it also takes the explicit name.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
+                 "fp8_e4m3": "fp8"}
+KV_CACHE_DTYPES = (*DTYPES, "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -59,7 +62,8 @@ class EngineConfig:
                                             "text itself (default: the tokenizer's template)")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
                                "float/fp32 = float32; auto: bfloat16 on CUDA, float32 on CPU")
-    kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype; auto: the same as --dtype")
+    kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype, or fp8 (= fp8_e4m3, vLLM's "
+                                        "names: 1 byte, per-tensor scales 1.0); auto: the same as --dtype")
     device: str = _knob("auto", "auto: cuda when torch sees a GPU, else cpu")
     seed: int = _knob(0, "seed of the sampler's random generator: the same seed and prompts give the same "
                          "output; a request's own seed (the API's `seed`) overrides it for that request")
@@ -111,7 +115,7 @@ class EngineConfig:
         self.dtype = canonical_dtype(self.dtype)
         self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
-        check(self.kv_cache_dtype in DTYPES, "kv_cache_dtype", f"one of {DTYPES}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         check(self.device in DEVICES, "device", f"one of {DEVICES}")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")

@@ -48,6 +48,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> torch.dtype:
+    """kv_cache_dtype -> the cache's element dtype: "auto" is the model's, "fp8" is e4m3 (vLLM's
+    meaning), where the backend can keep it (else ValueError naming the flag)."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        error = kernels.fp8_kv_cache_error(backend, device)
+        if error is not None:
+            raise ValueError(f"kv_cache_dtype 'fp8' (--kv-cache-dtype fp8) {error}; "
+                             "use kv_cache_dtype='auto' or a 16-bit kv_cache_dtype")
+        return torch.float8_e4m3fn
+    return _DTYPES[name]
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -85,7 +99,6 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if self.device.type == "cpu":
             keep_freed_memory()
             if config.num_threads:
@@ -94,6 +107,7 @@ class ModelRunner:
         # reaches through the forward context execute_model sets.
         self.attn_backend = kernels.resolve_backend(config.attention_backend, self.device.type)
         self.backend = kernels.get_backend(self.attn_backend)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.attn_backend, self.device)
         hf = source.hf_config
         self.hf_config = hf
         self.block_size = config.block_size

@@ -88,6 +88,19 @@ def resolve_backend(name: str, device_type: str) -> str:
     return "triton"
 
 
+def fp8_kv_cache_error(backend: str, device: torch.device) -> str | None:
+    """Why `backend` on `device` cannot keep an fp8 (e4m3) KV cache, or None when it can."""
+    if getattr(torch, "float8_e4m3fn", None) is None:
+        return f"needs torch's float8_e4m3fn dtype, which this torch ({torch.__version__}) lacks (torch >= 2.1 has it)"
+    if backend == "triton" and device.type == "cuda":
+        # Triton converts to and from e4m3 (its float8e4nv) only from Ada / Hopper on.
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            return (f"on the triton backend needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                    f"this one is {capability[0]}.{capability[1]}")
+    return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend's ops, chosen once at start-up (`get_backend(resolve_backend(...))`) and called
@@ -95,8 +108,9 @@ class Backend:
     backend has the same signatures (the module-level functions below document each op)."""
 
     name: str
-    write_kv: Callable  # (key, value, k_cache, v_cache, slot_mapping) -> None
-    paged_attention: Callable  # (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None)
+    write_kv: Callable  # (key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None
+    # (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None, k_scale=1.0, v_scale=1.0)
+    paged_attention: Callable
     plan_attention: Callable  # (block_tables, query_start_loc, seq_lens, block_size) -> plan or None
     allocate_kv_cache: Callable  # (num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> (k, v)
     copy_blocks: Callable  # (k_cache, v_cache, src, dst) -> None
@@ -157,8 +171,10 @@ def _triton_backend() -> Backend:
     from kernels import triton_moe
     from kernels import triton_ops as t
 
-    def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None):
-        return t.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None,
+                        k_scale=1.0, v_scale=1.0):
+        return t.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                 k_scale=k_scale, v_scale=v_scale)
 
     def plan_attention(block_tables, query_start_loc, seq_lens, block_size):
         return None  # the kernels read the block tables themselves
@@ -192,17 +208,20 @@ def get_backend(name: str) -> Backend:
 # ---- the ops by backend name: thin wrappers over get_backend(name), for tests and benches -------------
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
-    """Store each new token's key and value at its slot in the paged cache; slot -1 = padding."""
-    get_backend(backend).write_kv(key, value, k_cache, v_cache, slot_mapping)
+def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch", k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+    """Store each new token's key and value at its slot in the paged cache; slot -1 = padding.
+    An fp8 cache stores key / k_scale and value / v_scale, saturated to e4m3 (reference.quantize_kv)."""
+    get_backend(backend).write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    backend: str = "torch", plan=None):
+                    backend: str = "torch", plan=None, k_scale: float = 1.0, v_scale: float = 1.0):
     """Causal attention of each sequence's new queries over its cached keys and values.
-    `plan`: plan_attention's per-step batch layout, shared by all layers (ignored where it is None)."""
+    `plan`: plan_attention's per-step batch layout, shared by all layers (ignored where it is None).
+    An fp8 cache is read as e4m3 * k_scale / v_scale, converted inside the kernel."""
     return get_backend(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                                scale, plan=plan)
+                                                scale, plan=plan, k_scale=k_scale, v_scale=v_scale)
 
 
 def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, backend: str = "torch"):

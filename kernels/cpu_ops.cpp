@@ -14,6 +14,9 @@
 //         head dimension of block_size keys is a contiguous vector: q.k for a whole block is
 //         head_dim broadcast-FMAs, no horizontal sums
 //   value [num_kv_heads, num_blocks, block_size, head_dim]  a key's value row is contiguous
+// The cache's elements are the model's dtype, or fp8 e4m3 (kv_cache_dtype "fp8"): x / scale
+// saturated to +-448 when stored, e4m3 * scale when read, converted in the attention's inner loops
+// (no dequantized copy of the cache), with one float scale per tensor (k_scale, v_scale).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,13 +34,44 @@
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
+using fp8 = c10::Float8_e4m3fn;
 constexpr int64_t kF = fVec::size();
+constexpr float kFp8Max = 448.f;  // the largest finite e4m3 value
+
+// n <= kF e4m3 elements as floats, exactly (lanes past n are zero). An e4m3 byte's magnitude bits
+// moved down one place, under the sign bit, are a float16 of the same mantissa whose exponent bias
+// is 15 instead of 7: the hardware's float16 -> float32 conversion (subnormals included, which come
+// out as normal floats) and one multiply by 2^8 give the value. NaN (0x7f, 0xff) reads as +-480:
+// stores saturate at +-448, so only a NaN the model made is stored as one.
+inline fVec load_fp8(const uint8_t* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = n == kF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
+  const __m256i x = _mm256_cvtepu8_epi16(bytes);
+  const __m256i half = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80)),
+                                       _mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16(-0x8000)));
+  return fVec(_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  int64_t eight = 0;
+  std::memcpy(&eight, p, n);
+  const __m128i x = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(eight));
+  const __m128i half = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3f80)),
+                                    _mm_and_si128(_mm_slli_epi16(x, 8), _mm_set1_epi16(-0x8000)));
+  return fVec(_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f)));
+#else
+  float buf[kF] = {};
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(fp8(p[i], fp8::from_bits()));
+  return fVec::loadu(buf);
+#endif
+}
 
 // n <= kF elements of T as floats (lanes past n are zero).
 template <typename T>
 inline fVec load_f(const T* p, int64_t n = kF) {
   if constexpr (std::is_same_v<T, float>) {
     return fVec::loadu(p, n);
+  } else if constexpr (std::is_same_v<T, fp8>) {
+    return load_fp8(reinterpret_cast<const uint8_t*>(p), n);
   } else {
     auto v = at::vec::Vectorized<T>::loadu(p, n);
     return std::get<0>(at::vec::convert_to_float<T>(v));
@@ -252,10 +286,18 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // ---- KV cache store ------------------------------------------------------------------------------
 
-// key/value [tokens, kv_heads, head_dim]; slot -1 = padding, skipped.
-template <typename T>
-void write_kv_impl(const T* key, const T* value, T* kc, T* vc, const int64_t* slots, int64_t tokens, int64_t heads,
-                   int64_t dim, int64_t num_blocks, int64_t bs, int64_t key_stride, int64_t value_stride) {
+// x / scale in float, saturated, rounded to e4m3 (as kernels/reference.py's quantize_kv: a true
+// division, as torch's; std::clamp passes NaN through).
+inline fp8 to_fp8(float x, float scale) {
+  return fp8(std::clamp(x / scale, -kFp8Max, kFp8Max));
+}
+
+// key/value [tokens, kv_heads, head_dim] in T into a cache of C (T itself, or fp8 divided by the
+// tensor's scale); slot -1 = padding, skipped.
+template <typename T, typename C>
+void write_kv_impl(const T* key, const T* value, C* kc, C* vc, const int64_t* slots, int64_t tokens, int64_t heads,
+                   int64_t dim, int64_t num_blocks, int64_t bs, int64_t key_stride, int64_t value_stride,
+                   float k_scale, float v_scale) {
   at::parallel_for(0, tokens, 32, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t slot = slots[t];
@@ -264,32 +306,48 @@ void write_kv_impl(const T* key, const T* value, T* kc, T* vc, const int64_t* sl
       for (int64_t h = 0; h < heads; ++h) {
         const T* k = key + t * key_stride + h * dim;
         const T* v = value + t * value_stride + h * dim;
-        T* kb = kc + ((h * num_blocks + block) * dim) * bs + off;
-        T* vb = vc + ((h * num_blocks + block) * bs + off) * dim;
-        for (int64_t d = 0; d < dim; ++d) kb[d * bs] = k[d];
-        std::copy(v, v + dim, vb);
+        C* kb = kc + ((h * num_blocks + block) * dim) * bs + off;
+        C* vb = vc + ((h * num_blocks + block) * bs + off) * dim;
+        if constexpr (std::is_same_v<T, C>) {
+          for (int64_t d = 0; d < dim; ++d) kb[d * bs] = k[d];
+          std::copy(v, v + dim, vb);
+        } else {
+          for (int64_t d = 0; d < dim; ++d) kb[d * bs] = to_fp8(static_cast<float>(k[d]), k_scale);
+          for (int64_t d = 0; d < dim; ++d) vb[d] = to_fp8(static_cast<float>(v[d]), v_scale);
+        }
       }
     }
   });
 }
 
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
+              torch::Tensor slot_mapping, double k_scale, double v_scale) {
   // k_cache [kv_heads, num_blocks, head_dim, block_size], v_cache [kv_heads, num_blocks, block_size, head_dim]
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be the physical tensors");
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
               value.stride(1) == value.size(2), "write_kv: key/value heads must be contiguous rows");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "write_kv: key/value dtype must match the cache's");
+  const bool quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && value.scalar_type() == key.scalar_type() &&
+              (quantize || key.scalar_type() == k_cache.scalar_type()),
+              "write_kv: key/value dtype must match the cache's (or the cache be fp8 e4m3)");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "write_kv: k_scale and v_scale must be positive");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
   TORCH_CHECK(key.size(1) == heads && key.size(2) == dim, "write_kv: key shape does not match the cache");
   int64_t total = num_blocks * bs;
   TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < total, "write_kv: slot outside the cache");
   PW_DISPATCH(key.scalar_type(), "write_kv", [&] {
-    write_kv_impl<scalar_t>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim,
-                            num_blocks, bs, key.stride(0), value.stride(0));
+    if (quantize) {
+      write_kv_impl<scalar_t, fp8>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<fp8>(),
+                                   v_cache.data_ptr<fp8>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim,
+                                   num_blocks, bs, key.stride(0), value.stride(0), static_cast<float>(k_scale),
+                                   static_cast<float>(v_scale));
+    } else {
+      write_kv_impl<scalar_t, scalar_t>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+                                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                        slots.data_ptr<int64_t>(), key.size(0), heads, dim, num_blocks, bs,
+                                        key.stride(0), value.stride(0), 1.f, 1.f);
+    }
   });
 }
 
@@ -384,11 +442,13 @@ inline void weighted_values_any(const float* p, int64_t stride, const T* vc, con
 // accumulators stay in registers). The softmax is exact (max, then exp and sum over a float
 // score row); slots past `len` are set to -inf before it and never read for values, so stale or
 // NaN cache contents there cannot leak in.
-template <typename T>
-void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const int64_t* tables,
+// T: query and output; C: cache elements (T, or fp8 read as e4m3 * scale). A per-tensor scale
+// factors out of each sum: k_scale joins the query's scale, v_scale multiplies the output once.
+template <typename T, typename C>
+void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const int64_t* tables,
                          const int64_t* row_seq, const int64_t* lens, int64_t num_rows, int64_t num_seqs, int64_t heads,
                          int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
-                         int64_t q_stride, int64_t out_stride) {
+                         float v_scale, int64_t q_stride, int64_t out_stride) {
   const int64_t group = heads / kv_heads;
   std::atomic<bool> bad{false};
   at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -409,7 +469,7 @@ void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const
       for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * scale;
       scores.resize(group * stride);
       const int64_t block_base = h * num_blocks;
-      const int64_t block_bytes = dim * bs * static_cast<int64_t>(sizeof(T));
+      const int64_t block_bytes = dim * bs * static_cast<int64_t>(sizeof(C));
       for (int64_t j = 0; j < std::min(kAhead, n_blocks); ++j) {
         prefetch(kc + (block_base + table[j]) * dim * bs, block_bytes);
         prefetch(vc + (block_base + table[j]) * dim * bs, block_bytes);
@@ -417,15 +477,15 @@ void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t gc = std::min<int64_t>(4, group - g0);
         for (int64_t j = 0; j < n_blocks; ++j) {
-          const T* kb = kc + (block_base + table[j]) * dim * bs;
+          const C* kb = kc + (block_base + table[j]) * dim * bs;
           if (j + kAhead < n_blocks) prefetch(kc + (block_base + table[j + kAhead]) * dim * bs, block_bytes);
           float* sc = scores.data() + g0 * stride + j * bs;
           const float* qg = q.data() + g0 * dim;
           switch (gc) {
-            case 1: block_scores<T, 1>(qg, dim, kb, bs, sc, stride); break;
-            case 2: block_scores<T, 2>(qg, dim, kb, bs, sc, stride); break;
-            case 3: block_scores<T, 3>(qg, dim, kb, bs, sc, stride); break;
-            default: block_scores<T, 4>(qg, dim, kb, bs, sc, stride); break;
+            case 1: block_scores<C, 1>(qg, dim, kb, bs, sc, stride); break;
+            case 2: block_scores<C, 2>(qg, dim, kb, bs, sc, stride); break;
+            case 3: block_scores<C, 3>(qg, dim, kb, bs, sc, stride); break;
+            default: block_scores<C, 4>(qg, dim, kb, bs, sc, stride); break;
           }
         }
       }
@@ -450,16 +510,16 @@ void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const
         const float* p = scores.data() + g0 * stride;
         float* a = acc.data() + g0 * dim;
         switch (gc) {
-          case 1: weighted_values_any<T, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 2: weighted_values_any<T, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 3: weighted_values_any<T, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          default: weighted_values_any<T, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 1: weighted_values_any<C, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 2: weighted_values_any<C, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 3: weighted_values_any<C, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          default: weighted_values_any<C, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
         }
       }
       T* orow = out + r * out_stride + h * group * dim;
       for (int64_t i = 0; i < group * dim; i += kF) {
         const int64_t n = std::min(kF, group * dim - i);
-        store_f(orow + i, fVec::loadu(acc.data() + i, n), n);
+        store_f(orow + i, fVec::loadu(acc.data() + i, n) * fVec(v_scale), n);
       }
     }
   });
@@ -467,13 +527,17 @@ void attention_rows_impl(T* out, const T* query, const T* kc, const T* vc, const
 }
 
 // query/out [rows, heads, head_dim]; row r reads block_tables[row_seq[r]] up to lens[r] keys.
+// An fp8 (e4m3) cache is read as e4m3 * k_scale / v_scale; other caches have the query's dtype.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens, double scale) {
+                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens, double scale,
+                     double k_scale, double v_scale) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be the physical tensors");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "paged_attention: query/out heads must be contiguous rows");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_attention: query, out and cache dtypes must match");
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((fp8_cache || query.scalar_type() == k_cache.scalar_type()) &&
+              v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_attention: query, out and cache dtypes must match (or the cache be fp8 e4m3)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && row_seq.scalar_type() == at::kLong &&
               row_seq.is_contiguous() && lens.scalar_type() == at::kLong && lens.is_contiguous(),
               "paged_attention: block_tables, row_seq and lens must be contiguous int64 (kernels/cpu_ops.py plans them)");
@@ -482,11 +546,21 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == dim, "paged_attention: query heads do not match the cache");
   TORCH_CHECK(row_seq.numel() == rows && rows <= query.size(0) && rows <= out.size(0), "paged_attention: one sequence and length per query row");
   PW_DISPATCH(query.scalar_type(), "paged_attention", [&] {
-    attention_rows_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                  v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(),
-                                  lens.data_ptr<int64_t>(), rows, block_tables.size(0), heads, kv_heads, dim, num_blocks, bs,
-                                  block_tables.size(1),
-                                  static_cast<float>(scale), query.stride(0), out.stride(0));
+    auto run = [&](auto cache_elem) {
+      using C = decltype(cache_elem);
+      const float k = std::is_same_v<C, fp8> ? static_cast<float>(k_scale) : 1.f;
+      const float v = std::is_same_v<C, fp8> ? static_cast<float>(v_scale) : 1.f;
+      attention_rows_impl<scalar_t, C>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
+                                       v_cache.data_ptr<C>(), block_tables.data_ptr<int64_t>(),
+                                       row_seq.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows,
+                                       block_tables.size(0), heads, kv_heads, dim, num_blocks, bs, block_tables.size(1),
+                                       static_cast<float>(scale) * k, v, query.stride(0), out.stride(0));
+    };
+    if (fp8_cache) {
+      run(fp8());
+    } else {
+      run(scalar_t());
+    }
   });
 }
 

@@ -9,6 +9,8 @@ measures each op against the reference (BENCHMARKS.md).
 Cache layout: keys transposed within each block (kernels/cpu_ops.cpp says why), values as rows.
 Both tensors are handed out as the reference's logical [num_blocks, block_size, num_kv_heads,
 head_dim] views, so every logical consumer (copy_blocks, tests) reads them as any other cache.
+An fp8 (e4m3) cache is quantized by write_kv and read by the attention's inner loops as e4m3 *
+scale, as kernels/reference.py defines them.
 """
 
 from __future__ import annotations
@@ -62,21 +64,24 @@ def _physical(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return k, v
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    load().write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), *_physical(k_cache, v_cache), slot_mapping)
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    if not reference.is_fp8(k_cache.dtype):  # an fp8 cache quantizes from the model's dtype in C++
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    load().write_kv(key, value, *_physical(k_cache, v_cache), slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    plan: RowPlan | None = None) -> torch.Tensor:
+                    plan: RowPlan | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Rows of `query` past the step's last sequence are padding (padded_num_tokens): zeros out."""
     k, v = _physical(k_cache, v_cache)
     plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     rows = plan.row_seq.numel()
-    if query.dtype != k.dtype:  # a kv_cache_dtype unlike the model's: the reference converts
+    if query.dtype != k.dtype and not reference.is_fp8(k.dtype):
+        # A 16-bit kv_cache_dtype under a float32 model: the reference converts.
         out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
         return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale)
+    load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale, k_scale, v_scale)
     out[rows:].zero_()
     return out
 

@@ -9,6 +9,10 @@ Layouts (shared with the Triton kernels):
   query_start_loc  [num_seqs + 1] int: sequence i owns query rows [qsl[i], qsl[i+1])
   seq_lens         [num_seqs] int: context length after this step (cached + new tokens)
 
+An fp8 cache (kv_cache_dtype "fp8", e4m3 as vLLM's) holds x / scale rounded to e4m3, saturated at
++-448, with one float scale per tensor (k_scale, v_scale; 1.0 without calibrated ones, as vLLM
+uses); attention reads e4m3 * scale. Other cache dtypes ignore the scales.
+
 The new queries of a sequence are its last q_len positions: query row j of sequence i sits at
 position seq_lens[i] - q_len + j and attends causally to keys 0..that position. A decode step
 (q_len = 1), a prefill chunk that continues a cached prefix and a whole prompt are one op.
@@ -22,20 +26,45 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)  # None in a torch without float8 dtypes
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3 value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return FP8_E4M3 is not None and dtype == FP8_E4M3
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: fp8 = x / scale in float32, clamped to +-448 (a cast
+    alone may turn an out-of-range value into NaN), rounded to e4m3; other dtypes a plain cast."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache elements as attention reads them, in `dtype`: fp8 = e4m3 * scale in float32."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store each new token's key and value at its slot; slots < 0 are padding and skipped."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
-    for cache, new in ((k_cache, key), (v_cache, value)):
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        new = quantize_kv(new, cache.dtype, scale)
+        if is_fp8(cache.dtype):  # index_copy_ has no float8 kernel: move the same bytes as uint8
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         head_major = cache.permute(2, 0, 1, 3)
         if head_major.is_contiguous():  # allocate_kv_cache's CPU layout: [heads, blocks * block_size, D]
-            head_major.view(cache.shape[2], -1, cache.shape[3]).index_copy_(
-                1, slots, new.to(cache.dtype).transpose(0, 1))
+            head_major.view(cache.shape[2], -1, cache.shape[3]).index_copy_(1, slots, new.transpose(0, 1))
         else:
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -93,9 +122,11 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.T
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
+                    scale: float, plan: AttentionPlan | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys and values.
-    `plan` (from plan_attention) may be shared by all layers of a step; it is built if absent."""
+    `plan` (from plan_attention) may be shared by all layers of a step; it is built if absent.
+    k_scale / v_scale: an fp8 cache's scales (dequantize_kv); ignored for other caches."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -107,8 +138,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # heads share their KV head through a reshape, not a copy: q [S, Hkv, group, D].
         s = plan.decode_rows.numel()
         # Batched over (KV head, sequence); a KV head's `group` query heads are the rows of one matmul.
-        k = _gather(k_cache, plan.decode_blocks, s).to(query.dtype)  # [Hkv, S, L, D]
-        v = _gather(v_cache, plan.decode_blocks, s).to(query.dtype)
+        k = dequantize_kv(_gather(k_cache, plan.decode_blocks, s), query.dtype, k_scale)  # [Hkv, S, L, D]
+        v = dequantize_kv(_gather(v_cache, plan.decode_blocks, s), query.dtype, v_scale)
         q = query if plan.all_decode else query[plan.decode_rows]
         q = (q.view(s, num_kv_heads, group, head_dim) * scale).transpose(0, 1).contiguous()  # [Hkv, S, G, D]
         # Slots past a sequence's length hold another request's data (or a padding block's).
@@ -129,8 +160,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gqa = group != 1
     for first, last, seq_len, blocks in plan.prefills:
         q_len = last - first
-        k = _gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)  # [1, Hkv, L, D]
-        v = _gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len].to(query.dtype)
+        k = dequantize_kv(_gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, k_scale)
+        v = dequantize_kv(_gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, v_scale)
         q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

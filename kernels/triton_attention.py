@@ -12,6 +12,9 @@ tiles (programs left over exit at once), so the grid is num_tokens // BLOCK_Q + 
 Softmax runs online in float32 in the base-2 domain (scale folded with log2(e), exp2 is one
 instruction). With NUM_SPLITS > 1 each program covers one contiguous slice of the keys and writes
 its normalised partial output plus log-sum-exp; split_reduce_kernel merges the slices.
+
+An fp8 (e4m3) cache is loaded as fp8 and upcast tile by tile (exact in 16 bits); its per-tensor
+scales factor out of the sums: k_scale is folded into qk_scale, v_scale multiplies the output once.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def paged_attention_kernel(
         qk_scale, num_seqs,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk, stride_v_slot, stride_v_head,
-        stride_bt_seq,
+        stride_bt_seq, v_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
@@ -150,14 +153,14 @@ def paged_attention_kernel(
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]  # every valid row saw at least its own key, so l_i > 0
+        out = acc / l_i[:, None] * v_scale  # every valid row saw at least its own key, so l_i > 0
         tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         # A split wholly after a row's position (or past the context) is empty: l = 0. It must
         # still write lse = -inf and a finite output so the reduce weighs it to exactly zero.
         seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        out = acc / tl.where(seen, l_i, 1.0)[:, None] * v_scale
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         num_heads = tl.num_programs(1) * GROUP
         part = (tok * num_heads + head) * NUM_SPLITS + split

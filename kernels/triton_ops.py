@@ -41,7 +41,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
@@ -53,9 +53,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+        HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], FP8=reference.is_fp8(k_cache.dtype),
+        num_warps=4)
 
 
 def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_seqs: int, *,
@@ -76,9 +77,10 @@ def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-                    config: TileConfig | None = None) -> torch.Tensor:
+                    config: TileConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """kernels.reference.paged_attention on Triton. `out`, `num_splits` and `config` override what
-    the heuristics choose (tests use them to poison the output and force every path)."""
+    the heuristics choose (tests use them to poison the output and force every path). k_scale /
+    v_scale: an fp8 cache's scales, ignored for other caches."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -88,6 +90,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert query.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == block_tables.stride(-1) == 1
     _check_device(query)
+    if not reference.is_fp8(k_cache.dtype):
+        k_scale = v_scale = 1.0
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
     cfg, num_splits = launch_plan(query, k_cache, block_tables, num_seqs, num_splits=num_splits, config=config)
@@ -109,10 +113,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        scale * math.log2(math.e), num_seqs,
+        scale * k_scale * math.log2(math.e), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), float(v_scale),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         # float32 is for tests: keep it exact instead of TF32 on tensor cores.

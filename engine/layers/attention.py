@@ -16,10 +16,15 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # An fp8 cache's per-tensor scales (stored = x / scale, read = e4m3 * scale). 1.0, as vLLM
+        # uses when a checkpoint brings no calibrated ones; other cache dtypes ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_forward_context()
         meta, backend = context.attn, context.backend
-        backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                                       meta.seq_lens, self.scale, plan=meta.plan)
+                                       meta.seq_lens, self.scale, plan=meta.plan, k_scale=self.k_scale,
+                                       v_scale=self.v_scale)
