@@ -11,7 +11,8 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig, canonical_dtype
+from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_WEIGHTS, KV_CACHE_DTYPES, EngineConfig,
+                           canonical_dtype)
 
 # vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
 ALIASES = {
@@ -24,7 +25,7 @@ SERVING_ONLY = ("max_waiting_requests", "max_logprobs", "log_requests")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
-            "attention_backend": ATTENTION_BACKENDS}
+            "attention_backend": ATTENTION_BACKENDS, "gguf_weights": GGUF_WEIGHTS}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
           "tib": 1 << 40, "tb": 10**12}
 

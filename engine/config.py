@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GGUF_WEIGHTS = ("native", "dequantize")
 # The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
 # vLLM's "fp8" KV cache is e4m3; it also takes the explicit name.
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
@@ -60,6 +61,9 @@ class EngineConfig:
     tokenizer: str | None = _knob(None, "tokenizer folder (default: the model's own)")
     chat_template: str | None = _knob(None, "chat template replacing the tokenizer's own: a file, or the Jinja "
                                             "text itself (default: the tokenizer's template)")
+    gguf_weights: str = _knob("native", "a .gguf file's quantized linear weights: native (kept as the file's "
+                                        "Q8_0 / Q4_0 / Q4_1 blocks, C++ kernels on CPU) or dequantize (to float "
+                                        "at load, as before)")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
                                "float/fp32 = float32; auto: bfloat16 on CUDA, float32 on CPU")
     kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype, or fp8 (= fp8_e4m3, vLLM's "
@@ -117,6 +121,7 @@ class EngineConfig:
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         check(self.device in DEVICES, "device", f"one of {DEVICES}")
+        check(self.gguf_weights in GGUF_WEIGHTS, "gguf_weights", f"one of {GGUF_WEIGHTS}")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
         check(self.kv_cache_memory > 0, "kv_cache_memory", "positive (bytes)")

@@ -43,9 +43,6 @@ class ModelFolderError(ValueError):
     """A model path that cannot be served as it is; the message says what to change."""
 
 
-GGUF_WEIGHTS = ("native", "dequantize")
-
-
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
                   chat_template: str | None = None, gguf_weights: str = "native") -> ModelSource:
     """Open a model folder, a .gguf file, or (path None) the embedded default model.
@@ -53,8 +50,6 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
     file) replaces the tokenizer's own. `gguf_weights`: see the module docstring."""
-    if gguf_weights not in GGUF_WEIGHTS:
-        raise ValueError(f"gguf_weights {gguf_weights!r} is unknown; use one of {GGUF_WEIGHTS}")
     if path is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     config = engine_config_from_args(args)
-    layout = check_layout(config, resolve_model(config.model, config.tokenizer).hf_config)
+    source = resolve_model(config.model, config.tokenizer, gguf_weights=config.gguf_weights)
+    layout = check_layout(config, source.hf_config)
     worker_main(rank, layout, config, "env://", int(os.environ["LOCAL_RANK"]))
     return 0
 

@@ -31,7 +31,7 @@ def worker_main(rank: int, layout: ParallelLayout, config, init_method: str, loc
     from engine.loader import resolve_model
     from engine.model_runner import ModelRunner, resolve_device
 
-    source = resolve_model(config.model, config.tokenizer)
+    source = resolve_model(config.model, config.tokenizer, gguf_weights=config.gguf_weights)
     control = init_distributed(layout, rank, resolve_device(config.device), init_method, local_rank,
                                config.distributed_timeout_s)
     runner = ModelRunner(config, source)

@@ -13,7 +13,7 @@ from engine.loader import resolve_model
 
 def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = EngineCore) -> EngineCore:
     """`core_class`: EngineCore, or a subclass of it (tests inject failures that way)."""
-    source = resolve_model(config.model, config.tokenizer, config.chat_template)
+    source = resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights)
     executor = make_executor(config, source)
     try:
         return core_class(config, source, executor)

@@ -187,3 +187,19 @@ def test_a_type_without_a_native_kernel_is_dequantized_and_said_so(tmp_path, tin
     assert model.model.layers["1"].mlp.down_proj.quant_format is None
     assert model.model.layers["1"].mlp.gate_up_proj.quant_format.name == "Q4_0"
     assert "blk.1.ffn_down.weight (Q5_0, no native kernel for it yet)" in caplog.text
+
+
+def test_engine_knob_reaches_the_loader(tmp_path, tiny):
+    """`--gguf-weights dequantize` (EngineConfig.gguf_weights) serves the same file from float weights;
+    a value that is neither is refused naming the field."""
+    from engine import LLM
+
+    folder = tiny("llama")
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, folder, "llama", "Q4_0")
+    for choice, native in (("native", True), ("dequantize", False)):
+        llm = LLM(str(path), tokenizer=folder, gguf_weights=choice, num_kv_blocks=16, max_model_len=128)
+        layer = llm.engine.runner.model.model.layers["0"]
+        assert (layer.mlp.down_proj.quant_format is not None) == native
+    with pytest.raises(ValueError, match="gguf_weights must be one of"):
+        LLM(str(path), tokenizer=folder, gguf_weights="int4")
