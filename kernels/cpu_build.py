@@ -28,10 +28,6 @@ _ISA_FLAGS = {
 }
 
 _lock = threading.Lock()
-_module = None
-_error: Exception | None = None
-_quant_module = None
-_quant_error: Exception | None = None
 
 
 def _flags() -> list[str]:
@@ -55,20 +51,42 @@ def _build(source_path: Path, prefix: str):
                        extra_ldflags=["-fopenmp"], verbose=os.environ.get("PAGEWISE_VERBOSE_BUILD") == "1")
 
 
+class _Library:
+    """One C++ source, built once per process on first use; a failed build is remembered, so
+    every later call says why at once instead of building again."""
+
+    def __init__(self, source: Path, prefix: str, what: str):
+        self.source, self.prefix, self.what = source, prefix, what
+        self.module = None
+        self.error: Exception | None = None
+
+    def load(self):
+        with _lock:
+            if self.module is not None:
+                return self.module
+            if self.error is not None:
+                raise RuntimeError(f"{self.what} could not be built: {self.error}") from self.error
+            try:
+                self.module = _build(self.source, self.prefix)
+            except Exception as e:  # a missing compiler, headers, or a failed build: all mean "no kernels"
+                self.error = e
+                raise RuntimeError(f"{self.what} could not be built: {e}") from e
+            return self.module
+
+
+_OPS = _Library(SOURCE, "pagewise_cpu", "the CPU kernels")
+_QUANT = _Library(QUANT_SOURCE, "pagewise_cpu_quant", "the quantized CPU kernels")
+
+
 def load():
-    """The compiled module; raises RuntimeError saying why when it cannot be built."""
-    global _module, _error
-    with _lock:
-        if _module is not None:
-            return _module
-        if _error is not None:
-            raise RuntimeError(f"the CPU kernels could not be built: {_error}") from _error
-        try:
-            _module = _build(SOURCE, "pagewise_cpu")
-        except Exception as e:  # a missing compiler, headers, or a failed build: all mean "no CPU kernels"
-            _error = e
-            raise RuntimeError(f"the CPU kernels could not be built: {e}") from e
-        return _module
+    """The compiled kernels/cpu_ops.cpp; raises RuntimeError saying why when it cannot be built."""
+    return _OPS.load()
+
+
+def load_quant():
+    """The compiled kernels/cpu_quant.cpp (matmuls on GGUF block-quantized weights); raises
+    RuntimeError saying why when it cannot be built."""
+    return _QUANT.load()
 
 
 def available() -> Exception | None:
@@ -78,20 +96,3 @@ def available() -> Exception | None:
     except RuntimeError as e:
         return e
     return None
-
-
-def load_quant():
-    """The compiled kernels/cpu_quant.cpp (matmuls on GGUF block-quantized weights); raises
-    RuntimeError saying why when it cannot be built."""
-    global _quant_module, _quant_error
-    with _lock:
-        if _quant_module is not None:
-            return _quant_module
-        if _quant_error is not None:
-            raise RuntimeError(f"the quantized CPU kernels could not be built: {_quant_error}") from _quant_error
-        try:
-            _quant_module = _build(QUANT_SOURCE, "pagewise_cpu_quant")
-        except Exception as e:  # as in load(): no compiler, headers, or a failed build
-            _quant_error = e
-            raise RuntimeError(f"the quantized CPU kernels could not be built: {e}") from e
-        return _quant_module
