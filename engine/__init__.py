@@ -4,6 +4,11 @@ Heavy modules (torch, transformers) load on first use so that light tools such a
 `engine plan` start instantly.
 """
 
+from engine.cpu_threads import prefer_passive_openmp_waits
+
+# Before anything imports torch: OpenMP reads its wait policy once, when torch loads it.
+prefer_passive_openmp_waits()
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
