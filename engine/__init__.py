@@ -4,10 +4,10 @@ Heavy modules (torch, transformers) load on first use so that light tools such a
 `engine plan` start instantly.
 """
 
-from engine.cpu_threads import prefer_passive_openmp_waits
+from engine.cpu_threads import bound_openmp_spinning
 
-# Before anything imports torch: OpenMP reads its wait policy once, when torch loads it.
-prefer_passive_openmp_waits()
+# Before anything imports torch: OpenMP reads how long idle threads spin once, when torch loads it.
+bound_openmp_spinning()
 
 __version__ = "0.1.0"
 

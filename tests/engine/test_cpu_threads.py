@@ -1,5 +1,5 @@
 """CPU threads on shared CPUs (engine/cpu_threads.py): the thread count follows the process's
-affinity and cgroup quota, and idle OpenMP threads sleep unless the user chose otherwise."""
+affinity and cgroup quota, and idle OpenMP threads spin briefly unless the user chose otherwise."""
 
 from __future__ import annotations
 
@@ -12,24 +12,25 @@ import pytest
 from engine.cpu_threads import cgroup_cpu_limit, usable_cpus
 
 
-def _policy_after(code: str, **env) -> str:
-    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
-    out = subprocess.run([sys.executable, "-c", code + "; import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+def _spin_after(code: str, **env) -> str:
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env
+    out = subprocess.run([sys.executable, "-c", code + "; import os; print(os.environ.get('GOMP_SPINCOUNT'))"],
                          env=environ, capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
 
-def test_import_engine_first_makes_openmp_threads_sleep():
-    assert _policy_after("import engine") == "PASSIVE"
+def test_import_engine_first_bounds_the_spin_of_idle_openmp_threads():
+    assert _spin_after("import engine") == "10000"
 
 
-def test_a_policy_the_user_chose_is_kept():
-    assert _policy_after("import engine", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+def test_a_setting_the_user_chose_is_kept():
+    assert _spin_after("import engine", GOMP_SPINCOUNT="300000") == "300000"
+    assert _spin_after("import engine", OMP_WAIT_POLICY="PASSIVE") == "None"  # the policy rules the spin
 
 
 def test_too_late_once_torch_is_loaded():
-    """libgomp has read the variable already: setting it then would only mislead."""
-    assert _policy_after("import torch, engine") == "None"
+    """libgomp has read the settings already: setting one then would only mislead."""
+    assert _spin_after("import torch, engine") == "None"
 
 
 @pytest.mark.parametrize("files, limit", [
