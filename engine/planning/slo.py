@@ -1,13 +1,23 @@
 """A serving plan from latency targets: replicas x TP, max_num_seqs and the KV budget that meet a TTFT and a
 TPOT target at an arrival rate, with the predicted throughput, TTFT and TPOT.
 
-The step model (a roofline per engine step, as the decode literature states it: Pope et al. 2022,
-"Efficiently Scaling Transformer Inference", §2; vLLM's continuous batching):
-  decode step    max(bytes moved / memory bandwidth, FLOPs / (peak x efficiency)) + TP all-reduces, where a
-                 step moves every weight once and the KV cache of every running sequence (serving.py's
-                 kv_bytes_per_token), and computes flops.py's forward FLOPs per sequence
-  prefill        the same FLOPs per prompt token (attention over the causal half, the LM head for the last
-                 token only) over (peak x efficiency), at least one read of the weights
+The step model (step_seconds; a roofline per engine step, as the decode literature states it: Pope et al. 2022,
+"Efficiently Scaling Transformer Inference", §2; vLLM's continuous batching). A step runs `tokens` rows (one per
+decoding sequence, a chunk of each prompt being prefilled) through the layers, the LM head for the rows that
+sample, attention reading each decoding sequence's KV cache (serving.py's kv_bytes_per_token) and prefill
+attention over its (query, key) pairs:
+  GPU            max(bytes moved / memory bandwidth, FLOPs / (peak x efficiency)) + TP all-reduces: every weight
+                 moves once a step, and the KV cache of every decoding sequence
+  CPU (measured) the sum of what measure.py timed on the spot at the model's shapes: the dense layers' work at
+                the step's rows and the LM head's at the sampled rows (measured curves, interpolated), the decode
+                attention's KV read at its measured rate, and the prefill attention's FLOPs at theirs
+Closed loop (`--concurrency c`, as `engine bench serve --max-concurrency c` runs equal requests): c requests
+arrive together and the engine's scheduler is replayed step by step (simulate_wave): running sequences first,
+one token each or the next chunk of their prompt, then waiting prompts admitted while the token budget
+(max_num_batched_tokens) lasts. With c x prompt over the budget, prompts are prefilled over several steps and
+the first ones decode in steps that also carry the others' prompt chunks. TTFT, TPOT ((end - first token) /
+(output - 1), vLLM's definition) and throughput follow from the steps' times.
+Open loop (`--slo`, Poisson arrivals at a rate):
   TPOT           a decode step of the running batch, stretched by the prefills that share the engine
                  (continuous batching runs them in the same steps): step / (1 - arrival rate x prefill time)
   concurrency    Little's law: running sequences = arrival rate x (TTFT + (output - 1) x TPOT), solved by
@@ -21,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from engine.planning.comm import all_reduce_bytes
-from engine.planning.flops import forward_flops_per_token
+from engine.planning.flops import matmul_params
 from engine.planning.serving import kv_bytes_per_token, plan_serving
 from engine.planning.spec import ModelSpec
 
@@ -38,6 +48,11 @@ class Device:
     memory_bw: float  # bytes/s
     link_bw: float | None = None  # TP all-reduce bandwidth, bytes/s per direction
     efficiency: float = 0.7  # of peak FLOP/s in matmuls (steptime.DEFAULT_COMPUTE_EFFICIENCY's reasoning)
+    overlap: bool = True  # True: roofline, memory and compute overlap (a GPU); False: their times add (measure.py)
+    kv_bw: float | None = None  # decode attention's KV read rate, bytes/s (None: memory_bw)
+    attention_flops: float | None = None  # prefill attention's FLOP/s (None: flops x efficiency)
+    dense_curve: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of all layers' work but attention (measure.py)
+    head_curve: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of the LM head
 
 
 @dataclass(frozen=True)
@@ -58,24 +73,46 @@ class Workload:
         return max(self.prompt_lens) + max(self.output_lens)
 
 
+def step_seconds(spec: ModelSpec, device: Device, *, tokens: float, sampled: float, kv_tokens: float,
+                 prefill_pairs: float, dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1) -> float:
+    """One engine step: `tokens` rows through the layers, `sampled` through the LM head, decode attention reading
+    `kv_tokens` cached tokens, prefill attention over `prefill_pairs` (query, key) pairs."""
+    kv = kv_tokens * kv_bytes_per_token(spec, kv_dtype_bytes, tp)
+    rate = device.flops * device.efficiency
+    prefill_attention = 4 * spec.num_layers * spec.q_size / tp * prefill_pairs  # QK^T and AV, causal pairs
+    if device.overlap:
+        weights = spec.params_per_gpu(tp) * dtype_bytes
+        matmul = 2 * (matmul_params(spec) * tokens + spec.hidden_size * spec.vocab_size * sampled) / tp
+        decode_attention = 4 * spec.num_layers * spec.q_size / tp * kv_tokens
+        step = max((weights + kv) / device.memory_bw, (matmul + decode_attention + prefill_attention) / rate)
+    else:  # measured: the dense layers' and the LM head's time at these rows, plus attention at its own rates
+        assert device.dense_curve and device.head_curve, "a device without a roofline needs measure.py's curves"
+        step = (interpolate(device.dense_curve, tokens) + (interpolate(device.head_curve, sampled) if sampled else 0)
+                + kv / (device.kv_bw or device.memory_bw) + prefill_attention / (device.attention_flops or rate))
+    return step + _tp_seconds(spec, device, tokens, dtype_bytes, tp)
+
+
+def interpolate(curve: tuple[tuple[int, float], ...], rows: float) -> float:
+    """Seconds at `rows` on a measured (rows, seconds) curve: linear between the two nearest points, and along
+    the last two past its end."""
+    (r0, s0), (r1, s1) = next(((a, b) for a, b in zip(curve, curve[1:]) if rows <= b[0]), curve[-2:])
+    return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+
 def decode_step_seconds(spec: ModelSpec, device: Device, batch: float, context: float, dtype_bytes: int,
                         kv_dtype_bytes: int, tp: int = 1) -> float:
-    weights = spec.params_per_gpu(tp) * dtype_bytes
-    kv = batch * context * kv_bytes_per_token(spec, kv_dtype_bytes, tp)
-    flops = batch * sum(forward_flops_per_token(spec, context)) / tp  # one query against `context` keys
-    step = max((weights + kv) / device.memory_bw, flops / (device.flops * device.efficiency))
-    return step + _tp_seconds(spec, device, batch, dtype_bytes, tp)
+    """`batch` sequences, one query each against `context` cached tokens."""
+    return step_seconds(spec, device, tokens=batch, sampled=batch, kv_tokens=batch * context, prefill_pairs=0,
+                        dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
 
 
 def prefill_seconds(spec: ModelSpec, device: Device, prompt: float, dtype_bytes: int, tp: int = 1,
                     count: int = 1) -> float:
-    """`count` prompts prefilled together: every token through the layers, attending to half the prompt on
-    average (causal), and the LM head for the last token of each prompt only (the one that samples)."""
-    layers, attention, head = forward_flops_per_token(spec, prompt / 2)
-    flops = count * (prompt * (layers + attention) + head) / tp
-    weights = spec.params_per_gpu(tp) * dtype_bytes
-    compute = max(flops / (device.flops * device.efficiency), weights / device.memory_bw)
-    return compute + _tp_seconds(spec, device, count * prompt, dtype_bytes, tp)
+    """`count` prompts prefilled together: every token through the layers, attending causally to the tokens
+    before it, and the LM head for the last token of each prompt only (the one that samples)."""
+    return step_seconds(spec, device, tokens=count * prompt, sampled=count, kv_tokens=0,
+                        prefill_pairs=count * prompt * (prompt + 1) / 2, dtype_bytes=dtype_bytes,
+                        kv_dtype_bytes=dtype_bytes, tp=tp)
 
 
 def _tp_seconds(spec: ModelSpec, device: Device, tokens: float, dtype_bytes: int, tp: int) -> float:
@@ -121,17 +158,51 @@ def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: flo
     return Prediction(n, ttft, tpot, rate * load.output, rate, True)
 
 
+def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, concurrency: int, *, budget: int,
+                  dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1) -> tuple[list[float], list[float]]:
+    """`concurrency` requests arriving together at an idle engine, replayed through the scheduler's rule
+    (engine/scheduler.py, vLLM's: the running first, a token each or their prompt's next chunk, then waiting
+    prompts while the step's token budget lasts). Returns each request's first-token and last-token times."""
+    computed, generated = [0] * concurrency, [0] * concurrency
+    first, last = [0.0] * concurrency, [0.0] * concurrency
+    clock = 0.0
+    while min(generated) < output:
+        left, rows, kv_tokens, pairs, sampling = budget, 0, 0.0, 0.0, []
+        for r in range(concurrency):  # the running are the lower indices: admitted in order
+            if left == 0:
+                break
+            if generated[r] >= output:
+                continue
+            if computed[r] < prompt:  # its prompt's next chunk
+                n = min(prompt - computed[r], left)
+                pairs += n * computed[r] + n * (n + 1) / 2  # causal: each query attends to the keys up to it
+                computed[r] += n
+            else:  # decode: one query against the prompt and the tokens generated so far
+                n = 1
+                kv_tokens += prompt + generated[r]
+            if computed[r] == prompt:
+                sampling.append(r)
+            rows, left = rows + n, left - n
+        clock += step_seconds(spec, device, tokens=rows, sampled=len(sampling), kv_tokens=kv_tokens,
+                              prefill_pairs=pairs, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
+        for r in sampling:
+            generated[r] += 1
+            first[r] = clock if generated[r] == 1 else first[r]
+            last[r] = clock
+    return first, last
+
+
 def predict_closed_loop(spec: ModelSpec, device: Device, load: Workload, concurrency: int, *, dtype_bytes: int,
-                        kv_dtype_bytes: int, tp: int = 1) -> Prediction:
+                        kv_dtype_bytes: int, tp: int = 1, budget: int = 2048) -> Prediction:
     """`concurrency` clients with requests of equal lengths all queued at once (`engine bench serve
-    --max-concurrency c --request-rate inf`): they run in waves of c that start, prefill, decode and finish
-    together, so TTFT is the wave's batched prefill and TPOT a decode step of c sequences."""
-    prefill = prefill_seconds(spec, device, load.prompt, dtype_bytes, tp, count=concurrency)
-    context = load.prompt + load.output / 2
-    step = decode_step_seconds(spec, device, concurrency, context, dtype_bytes, kv_dtype_bytes, tp)
-    tpot, ttft = step, prefill
-    e2el = ttft + (load.output - 1) * tpot
-    return Prediction(concurrency, ttft, tpot, concurrency * load.output / e2el, concurrency / e2el, True)
+    --max-concurrency c --request-rate inf`): they run in waves of c that arrive together and, their lengths
+    equal, finish together; TTFT and TPOT are the means over a wave's requests (simulate_wave)."""
+    first, last = simulate_wave(spec, device, round(load.prompt), round(load.output), concurrency, budget=budget,
+                                dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
+    ttft = sum(first) / concurrency
+    tpot = sum((e - f) / max(1, load.output - 1) for f, e in zip(first, last)) / concurrency
+    wave = max(last)
+    return Prediction(concurrency, ttft, tpot, concurrency * load.output / wave, concurrency / wave, True)
 
 
 @dataclass(frozen=True)

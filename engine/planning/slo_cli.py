@@ -50,8 +50,12 @@ def device(args: argparse.Namespace, spec: ModelSpec) -> Device:
     if args.gpu == "cpu":
         from engine.planning.measure import measure_cpu  # imports torch: only here
 
+        if spec.is_moe:
+            args.parser.error("argument --gpu: cpu measures a dense model's layers; for a mixture-of-experts model "
+                              "give a GPU preset or --peak-tflops and --hbm-tbps")
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-        return measure_cpu(dtype, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size)
+        return measure_cpu(spec, dtype, prompt=round(sum(args.prompt_len) / len(args.prompt_len)),
+                           budget=args.max_num_batched_tokens or 2048)
     missing = [flag for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib), ("--peak-tflops", args.peak_tflops),
                                         ("--hbm-tbps", args.hbm_tbps)) if value is None]
     if missing:
@@ -72,8 +76,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
     if args.gpu == "cpu" and args.kv_cache_memory is None:
         args.parser.error("argument --kv-cache-memory: on a CPU give the KV budget (e.g. 2GiB), as `engine serve` does")
     if args.concurrency:
-        rows = [asdict(predict_closed_loop(spec, dev, load, c, dtype_bytes=nbytes, kv_dtype_bytes=kv_bytes))
-                for c in args.concurrency]
+        rows = [asdict(predict_closed_loop(spec, dev, load, c, dtype_bytes=nbytes, kv_dtype_bytes=kv_bytes,
+                                           budget=args.max_num_batched_tokens or 2048)) for c in args.concurrency]
         table = "\n".join([f"{spec.name} on {dev.name}: {load.prompt:g} prompt / {load.output:g} output tokens",
                            "concurrency  TTFT ms  TPOT ms  output tok/s"]
                           + [f"{r['concurrency']:>11g}  {r['ttft'] * 1e3:7.1f}  {r['tpot'] * 1e3:7.2f}  "

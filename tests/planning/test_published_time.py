@@ -66,11 +66,40 @@ def test_korthikanti_iteration_time_from_mfu(capsys, name, model, pp, gpus, batc
     assert out["hfu"] > out["mfu"]
 
 
-def test_llama_2_model_card_gpu_hours_at_one_stated_mfu(capsys):
-    """Llama 2 model card: 184,320 / 368,640 / 1,720,320 A100-80GB GPU-hours for 7B / 13B / 70B on 2T tokens.
-    The card states no throughput; one MFU for all three, 40% (an assumption, not a published figure),
-    reproduces each within 10%: the card's figures scale as 6ND at a common efficiency."""
-    for name, gpu_hours in (("llama-2-7b", 184_320), ("llama-2-13b", 368_640), ("llama-2-70b", 1_720_320)):
+# The Llama 2 paper (Touvron et al. 2023b, Table 2) and model card give A100-80GB GPU-hours for 2T tokens at 4k
+# context and state no throughput. The nearest stated one: LLaMA 1 (Touvron et al. 2023a, §2.4), the same team on
+# the same GPU: "when training a 65B-parameter model, our code processes around 380 tokens/sec/GPU on 2048 A100
+# GPU with 80GB of RAM" (2k context; its Table 15's 1,022,362 GPU-hours for 1.4T tokens agree: 380 tokens/s).
+LLAMA_2_CARD = (("llama-2-7b", 184_320), ("llama-2-13b", 368_640), ("llama-2-70b", 1_720_320))
+LLAMA_65B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--ffn-hidden", "22016", "--vocab", "32000",
+             "--max-positions", "2048"]
+LLAMA_2 = ["--seq-len", "4096", "--tokens", "2e12", "--nodes", "128", "--gpus-per-node", "8", "--tp", "8",
+           "--micro-batch", "1", "--grad-accum", "8", "--flops", "exact", "--gpu", "a100-80gb"]
+
+
+def test_llama_2_model_card_gpu_hours_from_llama_1_stated_throughput(capsys):
+    """LLaMA 65B's stated 380 tokens/s/GPU is an MFU (exact count, 2k context) of 49.5% on the A100's 312 TF;
+    Llama 2 at that MFU: 70B 1.60M GPU-hours, 7% under the card's 1.72M (within the 10% bar). 7B and 13B
+    come out 10.0% and 14.9% under: the card's smaller models ran below LLaMA 65B's rate (42-46% MFU by
+    this count), and no source states their rate, so for them the check stays a miss, recorded here."""
+    one = plan(capsys, "train", *LLAMA_65B, "--seq-len", "2048", "--tokens", "1", "--flops", "exact",
+               "--gpu", "a100-80gb", "--mfu", "1")
+    mfu = one["flops"] * 380 / 312e12  # FLOPs of one token x tokens per second per GPU over the A100's bf16 peak
+    assert mfu == pytest.approx(0.495, abs=0.001)
+    under = {}
+    for name, gpu_hours in LLAMA_2_CARD:
+        out = plan(capsys, "train", "--model", name, *LLAMA_2, "--mfu", f"{mfu:.6f}")
+        under[name] = out["gpu_hours"] / gpu_hours - 1
+    assert under["llama-2-70b"] == pytest.approx(-0.070, abs=0.005)  # within 10%: the stated basis holds for 70B
+    assert under["llama-2-7b"] == pytest.approx(-0.100, abs=0.005)  # at the bar's edge
+    assert under["llama-2-13b"] == pytest.approx(-0.149, abs=0.005)  # outside it
+
+
+def test_llama_2_model_card_gpu_hours_at_one_assumed_mfu(capsys):
+    """No stated throughput: the check is against an assumed MFU. One MFU for all three, 40% on 6ND (an
+    assumption, not a published figure), reproduces each within 10%: it shows the card's figures scale as
+    6ND at a common efficiency, not that the planner predicts them."""
+    for name, gpu_hours in LLAMA_2_CARD:
         out = plan(capsys, "train", "--model", name, "--seq-len", "4096", "--tokens", "2e12", "--nodes", "128",
                    "--gpus-per-node", "8", "--tp", "8", "--micro-batch", "1", "--grad-accum", "8",
                    "--gpu", "a100-80gb", "--mfu", "0.4")

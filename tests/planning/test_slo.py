@@ -43,3 +43,39 @@ def test_slo_errors_name_the_constraint_and_by_how_much(argv, flag, says):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.splitlines()[-1]
     assert flag in last and says in last, done.stderr
+
+
+def test_closed_loop_replays_the_scheduler_chunked_prefill_and_decodes_in_one_step():
+    """32 prompts of 128 tokens under a 2,048-token budget, every step taking 1 s: 16 prompts prefill in step 1;
+    step 2 decodes those 16 and prefills 2,032 tokens (15 prompts and 112 tokens of the last); step 3 decodes 31
+    and finishes the last prompt; each request then decodes one token a step to its 64th."""
+    from engine.planning.slo import Device, Workload, predict_closed_loop, simulate_wave
+    from engine.planning.spec import ModelSpec
+
+    spec = ModelSpec("t", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                     vocab_size=256)
+    one_second = Device("steps of 1 s", None, flops=float("inf"), memory_bw=float("inf"), efficiency=1.0,
+                        overlap=False, dense_curve=((1, 1.0), (4096, 1.0)),
+                        head_curve=((1, 0.0), (32, 0.0)))
+    first, last = simulate_wave(spec, one_second, 128, 64, 32, budget=2048, dtype_bytes=2, kv_dtype_bytes=2)
+    assert first == [1.0] * 16 + [2.0] * 15 + [3.0]
+    assert last == [64.0] * 16 + [65.0] * 15 + [66.0]
+    p = predict_closed_loop(spec, one_second, Workload((128,), (64,)), 32, dtype_bytes=2, kv_dtype_bytes=2)
+    assert p.ttft == (16 + 30 + 3) / 32 and p.tpot == 1.0 and p.throughput == 32 * 64 / 66
+    # one request: its prefill, then 63 decode steps
+    assert simulate_wave(spec, one_second, 128, 64, 1, budget=2048, dtype_bytes=2, kv_dtype_bytes=2) == ([1.0], [64.0])
+
+
+def test_cpu_device_is_measured_through_the_engine_kernels_and_predicts():
+    pytest.importorskip("torch")
+    from engine.planning.measure import measure_cpu
+    from engine.planning.slo import Workload, predict_closed_loop
+    from engine.planning.spec import ModelSpec
+
+    spec = ModelSpec("t", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                     vocab_size=256)
+    dev = measure_cpu(spec, "bfloat16", prompt=16, budget=64, kv_batch=4, kv_context=32, repeats=1)
+    assert [r for r, _ in dev.dense_curve] == [1, 4, 8, 64] and [r for r, _ in dev.head_curve] == [1, 4]
+    assert not dev.overlap and dev.kv_bw > 0 and dev.attention_flops > 0
+    p = predict_closed_loop(spec, dev, Workload((16,), (8,)), 4, dtype_bytes=2, kv_dtype_bytes=2, budget=64)
+    assert 0 < p.ttft < 1 and 0 < p.tpot < 1 and p.throughput > 0
