@@ -193,8 +193,8 @@ def test_backend_resolution_on_cpu(monkeypatch):
     with pytest.raises(ValueError, match="runs on the CPU device"):
         kernels.resolve_backend("cpu", "cuda")
     # A machine without a compiler: auto falls back to torch, an explicit "cpu" says what to do.
-    monkeypatch.setattr(cpu_build, "_module", None)
-    monkeypatch.setattr(cpu_build, "_error", OSError("no g++"))
+    monkeypatch.setattr(cpu_build._OPS, "module", None)
+    monkeypatch.setattr(cpu_build._OPS, "error", OSError("no g++"))
     assert kernels.resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="install a C\\+\\+ compiler"):
         kernels.resolve_backend("cpu", "cpu")
