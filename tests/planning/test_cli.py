@@ -1,6 +1,5 @@
 """`engine plan` as a user runs it: `python -m engine.planning.cli` in a subprocess."""
 
-import json
 import subprocess
 import sys
 
@@ -8,24 +7,13 @@ import pytest
 
 from engine.planning import ModelSpec, kv_bytes_per_token, kv_capacity_tokens
 from engine.planning.units import GiB
+from tests.planning.plan_cli import plan, plan_json
 
 TRAIN_KEYS = {"params", "global_batch", "steps", "flops", "time_s", "memory_per_gpu", "activations_per_layer",
               "cpu_memory", "fits"}
 MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "total"}
 SERVE_KEYS = {"params", "weights_per_gpu", "kv_bytes_per_token", "kv_capacity_tokens", "max_seqs_at_max_len"}
 TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9"]
-
-
-def engine_plan(*argv):
-    return subprocess.run(
-        [sys.executable, "-m", "engine.planning.cli", *argv], capture_output=True, text=True, timeout=60
-    )
-
-
-def plan_json(*argv):
-    done = engine_plan(*argv, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_train_json_keys_and_plain_numbers():
@@ -71,9 +59,9 @@ def test_engine_serve_spellings_mean_the_same_here():
 
 
 def test_old_kv_flag_warns_and_abbreviations_are_refused():
-    done = engine_plan("serve", "--model", "llama-3-8b", "--kv-cache-memory-gib", "1.5", "--log-level", "debug")
+    done = plan("serve", "--model", "llama-3-8b", "--kv-cache-memory-gib", "1.5", "--log-level", "debug")
     assert done.returncode == 0 and "--kv-cache-memory-gib is deprecated: use --kv-cache-memory 1.5GiB" in done.stderr
-    done = engine_plan("serve", "--model", "llama-3-8b", "--kv-cache-mem", "2GiB")
+    done = plan("serve", "--model", "llama-3-8b", "--kv-cache-mem", "2GiB")
     assert done.returncode == 2 and "unrecognized arguments: --kv-cache-mem" in done.stderr
 
 
@@ -84,7 +72,7 @@ def test_old_kv_flag_warns_and_abbreviations_are_refused():
      "--tokens", "1e8"],
 ])
 def test_tables_by_default(command):
-    done = engine_plan(*command)
+    done = plan(*command)
     assert done.returncode == 0, done.stderr
     assert "GiB" in done.stdout and not done.stdout.lstrip().startswith("{")
 
@@ -111,7 +99,7 @@ def test_tables_by_default(command):
       "--global-batch", "3", "--tokens", "1e9"], "--global-batch"),
 ])
 def test_nonsense_is_an_argparse_error_naming_the_flag(argv, flag):
-    done = engine_plan(*argv)
+    done = plan(*argv)
     assert done.returncode == 2
     assert flag in done.stderr.splitlines()[-1], done.stderr
 

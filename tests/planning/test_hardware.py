@@ -1,8 +1,5 @@
 """GPU presets, the communication-aware prediction, and the errors a user can cause with them."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -11,19 +8,9 @@ from engine.planning.search import search_plans
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import Throughput
 from engine.planning.units import GiB
+from tests.planning.plan_cli import plan, plan_json
 
 TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9"]
-
-
-def plan(*argv):
-    return subprocess.run([sys.executable, "-m", "engine.planning.cli", *argv], capture_output=True, text=True,
-                          timeout=60)
-
-
-def plan_json(*argv):
-    done = plan(*argv, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 @pytest.mark.parametrize("name, memory, bf16, fp8, hbm", [

@@ -2,13 +2,12 @@
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 
 from engine.planning.comm import moe_all_to_all_bytes
 from engine.planning.spec import ModelSpec
+from tests.planning.plan_cli import plan, plan_json
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -114,17 +113,6 @@ def test_published_qwen3_30b_a3b_totals():
     assert _within_rounding(spec.params / 1e9, 30.5, 1)
     assert _within_rounding(spec.active_params / 1e9, 3.3, 1)
     assert _within_rounding((spec.params - 2 * spec.vocab_size * spec.hidden_size) / 1e9, 29.9, 1)
-
-
-def plan(*argv):
-    return subprocess.run([sys.executable, "-m", "engine.planning.cli", *argv], capture_output=True, text=True,
-                          timeout=60)
-
-
-def plan_json(*argv):
-    done = plan(*argv, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_training_flops_are_6_x_active_parameters_x_tokens():

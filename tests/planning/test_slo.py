@@ -1,18 +1,12 @@
 """`engine plan serve --slo`: a plan that meets its targets, and a clear error when none can."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from tests.planning.plan_cli import plan
 
 SLO = ["serve", "--slo", "--model", "llama-3-70b", "--gpu", "h100-sxm", "--request-rate", "20", "--prompt-len",
        "512,1024,2048", "--output-len", "256"]
-
-
-def plan(*argv):
-    return subprocess.run([sys.executable, "-m", "engine.planning.cli", *argv], capture_output=True, text=True,
-                          timeout=60)
 
 
 def test_plan_meets_its_targets_and_prints_the_engine_serve_command():
