@@ -8,6 +8,7 @@ from engine.planning.search import search_plans
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import Throughput
 from engine.planning.units import GiB
+
 from tests.planning.plan_cli import plan, plan_json
 
 TRAIN = ["train", "--model", "llama-2-7b", "--seq-len", "4096", "--tokens", "1e9"]

@@ -7,6 +7,7 @@ import pytest
 
 from engine.planning.comm import moe_all_to_all_bytes
 from engine.planning.spec import ModelSpec
+
 from tests.planning.plan_cli import plan, plan_json
 
 torch = pytest.importorskip("torch")

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from tests.planning.plan_cli import plan
 
 SLO = ["serve", "--slo", "--model", "llama-3-70b", "--gpu", "h100-sxm", "--request-rate", "20", "--prompt-len",
