@@ -40,6 +40,7 @@ def engine_decode(core, forward: list[float], c: int, rng: random.Random) -> tup
 
 
 def main() -> int:
+    from engine.bench.step_overhead import timed_forward
     from engine.default_model import default_model_path
     from engine.frontend.llm import LLM
     from engine.planning.measure import measure_cpu
@@ -50,26 +51,16 @@ def main() -> int:
     with open(os.path.join(path, "config.json")) as f:
         spec = ModelSpec.from_hf_config(json.load(f))
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=2 << 30)
-    core, forward = llm.engine, [0.0]
-    model = core.runner.model
-
-    def timed(fn):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            forward[0] += time.perf_counter() - start
-            return out
-        return call
-
-    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    core = llm.engine
     rng = random.Random(0)
-    for c in (1, 8, 32):
-        load = os.getloadavg()
-        step, fwd = engine_decode(core, forward, c, rng)
-        device = measure_cpu(spec, "bfloat16", prompt=128, budget=2048)
-        planned = decode_step_seconds(spec, device, c, CONTEXT, 2, 2)
-        print(json.dumps({"concurrency": c, "load_average": load, "engine_step_ms": step * 1e3,
-                          "engine_forward_ms": fwd * 1e3, "planner_step_ms": planned * 1e3}), flush=True)
+    with timed_forward(core.runner.model) as forward:
+        for c in (1, 8, 32):
+            load = os.getloadavg()
+            step, fwd = engine_decode(core, forward, c, rng)
+            device = measure_cpu(spec, "bfloat16", prompt=128, budget=2048)
+            planned = decode_step_seconds(spec, device, c, CONTEXT, 2, 2)
+            print(json.dumps({"concurrency": c, "load_average": load, "engine_step_ms": step * 1e3,
+                              "engine_forward_ms": fwd * 1e3, "planner_step_ms": planned * 1e3}), flush=True)
     return 0
 
 

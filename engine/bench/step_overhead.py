@@ -12,6 +12,7 @@ JSON: work per step that grows with the output shows as a ratio above 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -19,13 +20,11 @@ import time
 WINDOW = 50  # steps in each median
 
 
-def measure(llm, max_tokens: int, marks: list[int]) -> dict:
-    from engine.sampling_params import SamplingParams
-
-    core = llm.engine
+@contextlib.contextmanager
+def timed_forward(model):
+    """Within the block, every model forward (the layers and the LM head; sampling is not in it)
+    adds its seconds to the one-element list yielded; the caller resets it between steps."""
     forward = [0.0]
-    model = core.runner.model  # the forward: the layers and the LM head; sampling counts as overhead
-    run = {name: getattr(model, name) for name in ("forward", "compute_logits")}
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -35,23 +34,32 @@ def measure(llm, max_tokens: int, marks: list[int]) -> dict:
             return out
         return call
 
-    for name, fn in run.items():
-        setattr(model, name, timed(fn))
+    names = ("forward", "compute_logits")
+    for name in names:
+        setattr(model, name, timed(getattr(model, name)))
+    try:
+        yield forward
+    finally:
+        for name in names:
+            delattr(model, name)  # back to the class's methods
+
+
+def measure(llm, max_tokens: int, marks: list[int]) -> dict:
+    from engine.sampling_params import SamplingParams
+
+    core = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
                             stop=["a stop string that never appears"])
     prompt = llm.tokenizer("Write a very long story about a lighthouse keeper.")["input_ids"]
     core.add_request("overhead", prompt, params)
     llm.output_processor.add_request("overhead", None, prompt, params, delta=True)  # as the server streams
     overhead_ms = []
-    try:
+    with timed_forward(core.runner.model) as forward:
         while len(overhead_ms) < max_tokens:
             forward[0] = 0.0
             start = time.perf_counter()
             llm._step()
             overhead_ms.append((time.perf_counter() - start - forward[0]) * 1e3)
-    finally:
-        for name in run:
-            delattr(model, name)  # back to the class's methods
     at = {m: statistics.median(overhead_ms[max(0, m - WINDOW // 2): m + WINDOW // 2]) for m in marks}
     return {"max_tokens": max_tokens, "overhead_ms_at_token": at, "ratio_last_to_first": at[marks[-1]] / at[marks[0]]}
 
