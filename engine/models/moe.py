@@ -43,10 +43,12 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def make_mlp(cfg, layer: int) -> nn.Module:
-        moe = MoeConfig.from_hf_config(cfg)
-        return SparseMoeBlock(cfg, moe) if moe.is_sparse(layer) else MLP(cfg)
+    def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
+        self.moe = MoeConfig.from_hf_config(cfg)  # read (and checked) once; make_mlp runs per layer
+        super().__init__(cfg, max_positions, layer_range)
+
+    def make_mlp(self, cfg, layer: int) -> nn.Module:
+        return SparseMoeBlock(cfg, self.moe) if self.moe.is_sparse(layer) else MLP(cfg)
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """Each expert's matrices (Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`, Qwen's
