@@ -43,7 +43,7 @@ def bound_openmp_spinning(environ=os.environ) -> None:
         environ[SPIN_COUNT] = BOUNDED_SPINS
 
 
-def check_wait_policy() -> None:
+def check_openmp_spin() -> None:
     """Log once when this process's OpenMP threads spin at length because torch was imported
     before engine (the setting can no longer change), so a user on shared CPUs knows the fix."""
     global _told

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
-from engine.cpu_threads import check_wait_policy, usable_cpus
+from engine.cpu_threads import check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
 from engine.loader import ModelSource, checkpoint_tensors, load_weights
 from engine.models.registry import model_class
@@ -103,7 +103,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
             torch.set_num_threads(config.num_threads or usable_cpus())
-            check_wait_policy()
+            check_openmp_spin()
         # The kernels, chosen once: the backend's name (for reports) and its ops, which every layer
         # reaches through the forward context execute_model sets.
         self.attn_backend = kernels.resolve_backend(config.attention_backend, self.device.type)
