@@ -30,6 +30,7 @@ from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY, DEFAULT_DP_OVERLAP, Throughput
 from engine.planning.training import plan_training
 from engine.planning.units import GiB, dtype_bytes
+from engine.planning.weight_formats import gguf_type_arg, quantization_arg
 
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
 KV_DTYPES = ("auto", *SERVE_DTYPES, "fp8")
@@ -113,11 +114,22 @@ def add_zero_accounting_flag(p: argparse.ArgumentParser) -> None:
                         "gradient partition, ZeRO-3's live module)")
 
 
-def add_parallel_flags(p: argparse.ArgumentParser, ep_help: str) -> None:
+def add_parallel_flags(p: argparse.ArgumentParser, ep_help: str, ep_flags=("--expert-parallel-size", "-ep", "--ep")):
     """The engine's own flags (`--tensor-parallel-size/-tp`, ...), with plan's older --tp/--pp."""
     add_engine_arg(p, "tensor_parallel_size", type=positive_int)
     add_engine_arg(p, "pipeline_parallel_size", type=positive_int)
-    p.add_argument("--expert-parallel-size", "-ep", "--ep", dest="ep", type=positive_int, default=1, help=ep_help)
+    p.add_argument(*ep_flags, dest="ep", type=positive_int, default=1, help=ep_help)
+
+
+def add_weight_format_flags(g) -> None:
+    g.add_argument("--quantization", "-q", type=quantization_arg, metavar="METHOD",
+                   help="linear layers quantized at load: int8 (stored as Q8_0 blocks, 8.5 bits a weight with its "
+                        "scales) or int4 (Q4_1 blocks, 5.0 bits, groups of 32 or 128), as `engine serve "
+                        "--quantization`; fp8 (8 bits and a float32 scale per tensor, vLLM's)")
+    g.add_argument("--weight-format", type=gguf_type_arg, metavar="TYPE",
+                   help="linear layers in a GGUF file's block type: Q8_0 (8.5 bits), Q4_0 (4.5), Q4_1 (5.0), "
+                        "Q4_K (4.5), Q6_K (6.5625); embeddings, LM head and norms at --dtype, as the engine holds "
+                        "them")
 
 
 def add_parser(subparsers) -> None:
@@ -156,8 +168,16 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                                 description=__doc__)
     add_model_flags(serve)
     g = serve.add_argument_group("engine settings (the same flags as `engine serve`)")
-    add_parallel_flags(g, "MoE: GPUs the experts are spread over whole (vLLM --enable-expert-parallel: "
-                          "a multiple of TP, DP x TP); attention and dense MLPs stay split over TP")
+    add_engine_arg(g, "enable_expert_parallel",
+                   help="MoE, as `engine serve --enable-expert-parallel` runs it: the TP ranks hold whole experts, "
+                        "experts / TP each (EP size = TP); their outputs are summed by the TP all-reduce, no "
+                        "all-to-all")
+    # Not vLLM's `-ep`, which is its --enable-expert-parallel switch: here a width, as SGLang's --ep-size.
+    add_parallel_flags(g, "MoE, vLLM's layout (not this engine's): the experts spread whole over N GPUs, N = DP x TP "
+                          "(vLLM --enable-expert-parallel --data-parallel-size N/TP; SGLang --ep-size N), attention "
+                          "data-parallel, tokens moved by all-to-all; the memory of one of those GPUs",
+                       ep_flags=("--expert-parallel-size", "--ep"))
+    add_weight_format_flags(g)
     add_engine_arg(g, "dtype", choices=("auto", *SERVE_DTYPES), default="bfloat16",
                    help="weights and activations; half/fp16 = float16, bf16 = bfloat16, float/fp32 = float32; "
                         "auto: bfloat16, as the engine picks on CUDA")
@@ -309,18 +329,48 @@ def run_train(args: argparse.Namespace) -> int:
     return emit(args, {"model": spec.name, **plan.to_json()}, table)
 
 
+def serving_weights(args: argparse.Namespace):
+    """The linear layers' WeightFormat from --quantization or --weight-format (None: --dtype)."""
+    if args.quantization is not None and args.weight_format is not None:
+        args.parser.error("argument --weight-format: give --quantization (quantized at load) or --weight-format "
+                          "(a GGUF file's blocks), not both")
+    return args.quantization or args.weight_format
+
+
+def expert_layout(args: argparse.Namespace, spec: ModelSpec) -> tuple[int, str]:
+    """(EP size, layout): the engine's --enable-expert-parallel (EP = TP) or vLLM's --expert-parallel-size."""
+    tp, ep = args.tensor_parallel_size, args.ep
+    if args.enable_expert_parallel and ep > 1:
+        args.parser.error("argument --expert-parallel-size/--ep: give --enable-expert-parallel (the engine's layout, "
+                          "EP = TP) or --expert-parallel-size (vLLM's, EP = DP x TP), not both")
+    if args.enable_expert_parallel:
+        if not spec.is_moe:
+            _plan_error(args.parser, PlanError("enable_expert_parallel", f"{spec.name} is a dense model: no experts "
+                                                                         "to spread"))
+        if spec.num_experts % tp:  # the engine's MoeConfig.shard_problem
+            _plan_error(args.parser, PlanError("tp", f"expert parallelism over {tp} TP ranks needs the number of "
+                                                     f"experts ({spec.num_experts}) to be a multiple of it"))
+        return tp, "engine"
+    if ep > 1 and ep % tp:
+        _plan_error(args.parser, PlanError("ep", f"{ep} is not a multiple of the tensor-parallel size {tp}: vLLM's "
+                                                 f"EP group is DP x TP ranks"))
+    return ep, "vllm"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     resolve_hardware(args)
+    args.weights = serving_weights(args)
     if args.slo or args.concurrency:
+        if args.ep > 1:
+            args.parser.error("argument --expert-parallel-size/--ep: --slo plans this engine's layouts "
+                              "(replicas x TP); vLLM's expert parallelism is not one of them")
         return run_slo(args, spec)
-    tp, pp, ep = args.tensor_parallel_size, args.pipeline_parallel_size, args.ep
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     try:
         check_model_parallel(spec, tp, pp)
+        ep, ep_layout = expert_layout(args, spec)
         check_expert_parallel(spec, ep, expert_tp=1 if ep > 1 else tp)
-        if ep > 1 and ep % tp:
-            raise PlanError("ep", f"{ep} is not a multiple of the tensor-parallel size {tp}: the EP group is "
-                                  f"DP x TP ranks")
     except PlanError as e:
         _plan_error(args.parser, e)
     if args.kv_cache_memory is None and args.gpu_memory_gib is None:
@@ -332,7 +382,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or spec.max_position_embeddings, block_size=args.block_size,
         tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
-        max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep,
+        max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep, ep_layout=ep_layout,
+        weight_format=args.weights, dtype_name=dtype,
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
 

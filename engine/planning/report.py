@@ -113,12 +113,21 @@ def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) 
     ])
 
 
+EP_ROWS = {"engine": "{per} whole experts of {experts} on each of the {ep} TP ranks (the engine's "
+                     "--enable-expert-parallel: EP = TP, no all-to-all)",
+           "vllm": "{per} whole experts of {experts} on each of {ep} GPUs (vLLM's expert parallelism, EP = DP x TP: "
+                   "not a layout of this engine)"}
+
+
 def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
     return "\n".join([
         model_line(spec),
         "",
         rows([
-            ("weights per GPU", gib(plan.weights_per_gpu)),
+            ("weights per GPU", f"{gib(plan.weights_per_gpu)}  (linear layers in {plan.weight_format})"),
+            *([("experts", EP_ROWS[plan.expert_parallel].format(
+                per=spec.num_experts // plan.ep_size, experts=spec.num_experts, ep=plan.ep_size))]
+              if plan.expert_parallel != "tp" else []),
             ("forward workspace (estimate)", gib(plan.workspace_bytes)),
             ("KV cache budget", gib(plan.kv_budget_bytes)),
             ("KV cache per token", f"{plan.kv_bytes_per_token:,} bytes"),

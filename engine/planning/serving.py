@@ -1,4 +1,5 @@
-"""Serving memory: weights per GPU, KV cache bytes per token, the KV budget and its capacity in blocks.
+"""Serving memory: weights per GPU (linear layers in a quantized format where one is given: weight_formats.py),
+KV cache bytes per token, the KV budget and its capacity in blocks.
 
 The engine sizes its paged KV cache with `kv_bytes_per_token`, `kv_budget_bytes` and
 `kv_capacity_tokens`, so `engine plan serve` and a running engine agree on the number of tokens.
@@ -10,6 +11,16 @@ from dataclasses import dataclass
 
 from engine.planning.comm import moe_all_to_all_bytes
 from engine.planning.spec import ModelSpec
+from engine.planning.weight_formats import WeightFormat, weight_bytes_per_gpu
+
+# How a serving replica spreads a mixture-of-experts layer's experts (`plan serve`):
+#   "tp"      none: every TP rank holds 1/tp of every expert's hidden units (the engine's default)
+#   "engine"  the engine's --enable-expert-parallel: the TP ranks hold whole experts, experts / tp each (EP size =
+#             TP); every rank runs its own experts on all the step's tokens and the TP all-reduce that follows
+#             the MLP sums their outputs, so no all-to-all (engine/layers/moe.py, engine/models/moe.py)
+#   "vllm"    vLLM's (and SGLang's --ep-size): EP size = DP x TP, experts / ep on each GPU while attention runs
+#             data-parallel; tokens go to their experts' GPUs and back by all-to-all. Not a layout this engine runs.
+EP_LAYOUTS = ("tp", "engine", "vllm")
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
@@ -40,9 +51,9 @@ def kv_capacity_tokens(kv_budget_bytes: int, kv_bytes_per_token: int, block_size
 
 
 def expert_shards(tp: int, ep: int) -> int:
-    """GPUs one MoE layer's experts are spread over when serving. Without EP each TP rank holds 1/tp of
-    every expert; with EP (vLLM's --enable-expert-parallel, EP size = DP x TP) each of ep ranks holds
-    experts / ep whole experts, while attention and dense MLPs stay split over TP."""
+    """GPUs one MoE layer's experts are spread over when serving: ep GPUs holding experts / ep whole experts
+    each (ep = tp for the engine's --enable-expert-parallel, DP x TP for vLLM's), or, without EP, the tp ranks
+    holding 1/tp of every expert; attention and dense MLPs stay split over TP either way."""
     return ep if ep > 1 else tp
 
 
@@ -79,7 +90,10 @@ class ServePlan:
     max_model_len: int
     max_seqs_at_max_len: int
     fits: bool  # the weights and workspace leave room for at least one sequence of max_model_len
-    ep_all_to_all_bytes_per_token: float = 0.0  # sent per GPU per token of a forward, EP only
+    ep_all_to_all_bytes_per_token: float = 0.0  # sent per GPU per token of a forward, vLLM's EP only
+    weight_format: str = ""  # the linear layers' format: the dtype's name, or a --quantization format
+    expert_parallel: str = "tp"  # EP_LAYOUTS
+    ep_size: int = 1  # GPUs the experts are spread over whole (1: none)
 
 
 def plan_serving(
@@ -97,10 +111,21 @@ def plan_serving(
     max_batched_tokens: int = 2048,
     max_seqs: int = 256,
     ep: int = 1,
+    ep_layout: str = "engine",
+    weight_format: WeightFormat | None = None,
+    dtype_name: str = "",
 ) -> ServePlan:
     """Memory of one serving replica per GPU. `kv_cache_memory_bytes` is a fixed KV budget (the
-    engine's CPU setting) that replaces the one derived from the GPU's memory."""
-    weights = spec.params_per_gpu(tp, pp, expert_shards(tp, ep)) * dtype_bytes
+    engine's CPU setting) that replaces the one derived from the GPU's memory. `ep` > 1 spreads the experts
+    whole over ep GPUs, as `ep_layout` ("engine": ep = tp; "vllm": ep = DP x TP) does; `weight_format` holds
+    the linear layers in that format (weight_formats.py), None at `dtype_bytes`."""
+    if ep_layout not in EP_LAYOUTS[1:]:
+        raise ValueError(f"ep_layout must be one of {EP_LAYOUTS[1:]}, got {ep_layout!r}")
+    if ep_layout == "engine" and ep not in (1, tp):
+        raise ValueError(f"the engine's expert parallelism spreads the experts over the {tp} TP ranks: ep must be "
+                         f"1 or {tp}, got {ep}")
+    layout = "tp" if ep == 1 else ep_layout
+    weights = weight_bytes_per_gpu(spec, dtype_bytes, weight_format, tp, pp, expert_shards(tp, ep))
     workspace = forward_workspace_bytes(spec, dtype_bytes, max_batched_tokens, max_seqs, tp, ep)
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
@@ -117,6 +142,8 @@ def plan_serving(
         kv_bytes_per_token=per_token,
         kv_budget_bytes=budget, kv_capacity_tokens=tokens, num_kv_blocks=tokens // block_size,
         max_model_len=max_model_len, max_seqs_at_max_len=seqs, fits=seqs >= 1,
-        ep_all_to_all_bytes_per_token=moe_all_to_all_bytes(spec, 1, dtype_bytes, ep,
-                                                           moe_layers=-(-len(spec.moe_layers) // pp)),
+        ep_all_to_all_bytes_per_token=(moe_all_to_all_bytes(spec, 1, dtype_bytes, ep,
+                                                            moe_layers=-(-len(spec.moe_layers) // pp))
+                                       if layout == "vllm" else 0.0),
+        weight_format=weight_format.name if weight_format else dtype_name, expert_parallel=layout, ep_size=ep,
     )

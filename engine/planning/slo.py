@@ -34,6 +34,7 @@ from engine.planning.comm import all_reduce_bytes
 from engine.planning.flops import matmul_params
 from engine.planning.serving import kv_bytes_per_token, plan_serving
 from engine.planning.spec import ModelSpec
+from engine.planning.weight_formats import WeightFormat, weight_bytes_per_gpu
 
 ITERATIONS = 200  # the fixed point converges in a few dozen when a layout can carry the load
 
@@ -74,14 +75,16 @@ class Workload:
 
 
 def step_seconds(spec: ModelSpec, device: Device, *, tokens: float, sampled: float, kv_tokens: float,
-                 prefill_pairs: float, dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1) -> float:
+                 prefill_pairs: float, dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1,
+                 weight_format: WeightFormat | None = None) -> float:
     """One engine step: `tokens` rows through the layers, `sampled` through the LM head, decode attention reading
-    `kv_tokens` cached tokens, prefill attention over `prefill_pairs` (query, key) pairs."""
+    `kv_tokens` cached tokens, prefill attention over `prefill_pairs` (query, key) pairs. The weights read are
+    the linear layers in `weight_format` (None: the dtype), the rest at the dtype (weight_formats.py)."""
     kv = kv_tokens * kv_bytes_per_token(spec, kv_dtype_bytes, tp)
     rate = device.flops * device.efficiency
     prefill_attention = 4 * spec.num_layers * spec.q_size / tp * prefill_pairs  # QK^T and AV, causal pairs
     if device.overlap:
-        weights = spec.params_per_gpu(tp) * dtype_bytes
+        weights = weight_bytes_per_gpu(spec, dtype_bytes, weight_format, tp)
         matmul = 2 * (matmul_params(spec) * tokens + spec.hidden_size * spec.vocab_size * sampled) / tp
         decode_attention = 4 * spec.num_layers * spec.q_size / tp * kv_tokens
         step = max((weights + kv) / device.memory_bw, (matmul + decode_attention + prefill_attention) / rate)
@@ -100,19 +103,19 @@ def interpolate(curve: tuple[tuple[int, float], ...], rows: float) -> float:
 
 
 def decode_step_seconds(spec: ModelSpec, device: Device, batch: float, context: float, dtype_bytes: int,
-                        kv_dtype_bytes: int, tp: int = 1) -> float:
+                        kv_dtype_bytes: int, tp: int = 1, weight_format: WeightFormat | None = None) -> float:
     """`batch` sequences, one query each against `context` cached tokens."""
     return step_seconds(spec, device, tokens=batch, sampled=batch, kv_tokens=batch * context, prefill_pairs=0,
-                        dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
+                        dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp, weight_format=weight_format)
 
 
 def prefill_seconds(spec: ModelSpec, device: Device, prompt: float, dtype_bytes: int, tp: int = 1,
-                    count: int = 1) -> float:
+                    count: int = 1, weight_format: WeightFormat | None = None) -> float:
     """`count` prompts prefilled together: every token through the layers, attending causally to the tokens
     before it, and the LM head for the last token of each prompt only (the one that samples)."""
     return step_seconds(spec, device, tokens=count * prompt, sampled=count, kv_tokens=0,
                         prefill_pairs=count * prompt * (prompt + 1) / 2, dtype_bytes=dtype_bytes,
-                        kv_dtype_bytes=dtype_bytes, tp=tp)
+                        kv_dtype_bytes=dtype_bytes, tp=tp, weight_format=weight_format)
 
 
 def _tp_seconds(spec: ModelSpec, device: Device, tokens: float, dtype_bytes: int, tp: int) -> float:
@@ -135,17 +138,17 @@ class Prediction:
 
 
 def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: float, *, tp: int, replicas: int,
-                      dtype_bytes: int, kv_dtype_bytes: int) -> Prediction:
+                      dtype_bytes: int, kv_dtype_bytes: int, weight_format: WeightFormat | None = None) -> Prediction:
     """Steady state of `replicas` engines sharing `rate` requests per second (Poisson arrivals: their mean)."""
     per_replica = rate / replicas
-    prefill = prefill_seconds(spec, device, load.prompt, dtype_bytes, tp)
+    prefill = prefill_seconds(spec, device, load.prompt, dtype_bytes, tp, weight_format=weight_format)
     busy = per_replica * prefill  # share of engine time spent on prefills
     if busy >= 1:
         return Prediction(math.inf, math.inf, math.inf, 0.0, 0.0, False)
     n, tpot = 1.0, 0.0
     for _ in range(ITERATIONS):
         context = load.prompt + load.output / 2
-        step = decode_step_seconds(spec, device, n, context, dtype_bytes, kv_dtype_bytes, tp)
+        step = decode_step_seconds(spec, device, n, context, dtype_bytes, kv_dtype_bytes, tp, weight_format)
         tpot = step / (1 - busy)
         ttft = prefill + step / 2
         new = max(1.0, per_replica * (ttft + (load.output - 1) * tpot))
@@ -154,12 +157,14 @@ def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: flo
         n = new
         if n > 1e7:
             return Prediction(math.inf, math.inf, math.inf, 0.0, 0.0, False)
-    ttft = prefill + decode_step_seconds(spec, device, n, load.prompt, dtype_bytes, kv_dtype_bytes, tp) / 2
+    ttft = prefill + decode_step_seconds(spec, device, n, load.prompt, dtype_bytes, kv_dtype_bytes, tp,
+                                         weight_format) / 2
     return Prediction(n, ttft, tpot, rate * load.output, rate, True)
 
 
 def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, concurrency: int, *, budget: int,
-                  dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1) -> tuple[list[float], list[float]]:
+                  dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1,
+                  weight_format: WeightFormat | None = None) -> tuple[list[float], list[float]]:
     """`concurrency` requests arriving together at an idle engine, replayed through the scheduler's rule
     (engine/scheduler.py, vLLM's: the running first, a token each or their prompt's next chunk, then waiting
     prompts while the step's token budget lasts). Returns each request's first-token and last-token times."""
@@ -184,7 +189,8 @@ def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, con
                 sampling.append(r)
             rows, left = rows + n, left - n
         clock += step_seconds(spec, device, tokens=rows, sampled=len(sampling), kv_tokens=kv_tokens,
-                              prefill_pairs=pairs, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
+                              prefill_pairs=pairs, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp,
+                              weight_format=weight_format)
         for r in sampling:
             generated[r] += 1
             first[r] = clock if generated[r] == 1 else first[r]
@@ -193,12 +199,14 @@ def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, con
 
 
 def predict_closed_loop(spec: ModelSpec, device: Device, load: Workload, concurrency: int, *, dtype_bytes: int,
-                        kv_dtype_bytes: int, tp: int = 1, budget: int = 2048) -> Prediction:
+                        kv_dtype_bytes: int, tp: int = 1, budget: int = 2048,
+                        weight_format: WeightFormat | None = None) -> Prediction:
     """`concurrency` clients with requests of equal lengths all queued at once (`engine bench serve
     --max-concurrency c --request-rate inf`): they run in waves of c that arrive together and, their lengths
     equal, finish together; TTFT and TPOT are the means over a wave's requests (simulate_wave)."""
     first, last = simulate_wave(spec, device, round(load.prompt), round(load.output), concurrency, budget=budget,
-                                dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp)
+                                dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp,
+                                weight_format=weight_format)
     ttft = sum(first) / concurrency
     tpot = sum((e - f) / max(1, load.output - 1) for f, e in zip(first, last)) / concurrency
     wave = max(last)
@@ -227,7 +235,7 @@ class SloError(ValueError):
 def plan_slo(spec: ModelSpec, device: Device, load: Workload, *, rate: float, ttft: float, tpot: float,
              tp_sizes: list[int], max_gpus: int, dtype_bytes: int, kv_dtype_bytes: int,
              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-             block_size: int = 16) -> SloPlan:
+             block_size: int = 16, weight_format: WeightFormat | None = None) -> SloPlan:
     """The layout with the fewest GPUs (then the lowest TPOT) that meets both targets."""
     best_miss: tuple[float, str, str] | None = None  # (relative miss, setting, message)
     for gpus in range(1, max_gpus + 1):
@@ -236,10 +244,10 @@ def plan_slo(spec: ModelSpec, device: Device, load: Workload, *, rate: float, tt
             memory = plan_serving(spec, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes,
                                   max_model_len=load.longest, block_size=block_size, tp=tp,
                                   gpu_memory_bytes=device.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                  kv_cache_memory_bytes=kv_cache_memory_bytes)
+                                  kv_cache_memory_bytes=kv_cache_memory_bytes, weight_format=weight_format)
             seqs = memory.kv_capacity_tokens // load.longest
             p = predict_open_loop(spec, device, load, rate, tp=tp, replicas=replicas, dtype_bytes=dtype_bytes,
-                                  kv_dtype_bytes=kv_dtype_bytes)
+                                  kv_dtype_bytes=kv_dtype_bytes, weight_format=weight_format)
             misses = [(p.ttft / ttft - 1, "ttft_ms", f"TTFT {p.ttft * 1e3:,.1f} ms vs the {ttft * 1e3:,.1f} ms target"),
                       (p.tpot / tpot - 1, "tpot_ms", f"TPOT {p.tpot * 1e3:,.1f} ms vs the {tpot * 1e3:,.1f} ms target"),
                       (p.concurrency / max(seqs, 1e-9) - 1, "request_rate",

@@ -14,6 +14,7 @@ from engine.planning.slo import Device, SloError, Workload, plan_slo, predict_cl
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY
 from engine.planning.units import GiB, dtype_bytes
+from engine.planning.weight_formats import ENGINE_FORMATS
 
 
 def lengths(text: str) -> tuple[int, ...]:
@@ -46,6 +47,14 @@ def add_slo_flags(serve: argparse.ArgumentParser) -> None:
                         "(as `engine bench serve --max-concurrency` measures them)")
 
 
+def engine_quantizations() -> tuple[str, ...]:
+    """The planner's --quantization methods `engine serve --quantization` takes too (not fp8, vLLM's); a GGUF's
+    block type is the file's own and needs no flag."""
+    import engine.config
+
+    return tuple(f.name for f in ENGINE_FORMATS if f.name in getattr(engine.config, "QUANTIZATIONS", ()))
+
+
 def device(args: argparse.Namespace, spec: ModelSpec) -> Device:
     if args.gpu == "cpu":
         from engine.planning.measure import measure_cpu  # imports torch: only here
@@ -53,6 +62,10 @@ def device(args: argparse.Namespace, spec: ModelSpec) -> Device:
         if spec.is_moe:
             args.parser.error("argument --gpu: cpu measures a dense model's layers; for a mixture-of-experts model "
                               "give a GPU preset or --peak-tflops and --hbm-tbps")
+        if args.weights is not None:
+            flag = "--quantization" if args.quantization is not None else "--weight-format"
+            args.parser.error(f"argument {flag}: --gpu cpu times the layers with float weights (measure.py); a "
+                              "quantized plan needs a GPU preset or --peak-tflops and --hbm-tbps")
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
         return measure_cpu(spec, dtype, prompt=round(sum(args.prompt_len) / len(args.prompt_len)),
                            budget=args.max_num_batched_tokens or 2048)
@@ -77,7 +90,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         args.parser.error("argument --kv-cache-memory: on a CPU give the KV budget (e.g. 2GiB), as `engine serve` does")
     if args.concurrency:
         rows = [asdict(predict_closed_loop(spec, dev, load, c, dtype_bytes=nbytes, kv_dtype_bytes=kv_bytes,
-                                           budget=args.max_num_batched_tokens or 2048)) for c in args.concurrency]
+                                           budget=args.max_num_batched_tokens or 2048,
+                                           weight_format=args.weights)) for c in args.concurrency]
         table = "\n".join([f"{spec.name} on {dev.name}: {load.prompt:g} prompt / {load.output:g} output tokens",
                            "concurrency  TTFT ms  TPOT ms  output tok/s"]
                           + [f"{r['concurrency']:>11g}  {r['ttft'] * 1e3:7.1f}  {r['tpot'] * 1e3:7.2f}  "
@@ -96,11 +110,14 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         plan = plan_slo(spec, dev, load, rate=args.request_rate, ttft=args.ttft_ms / 1e3, tpot=args.tpot_ms / 1e3,
                         tp_sizes=tp_sizes, max_gpus=1 if cpu else args.max_gpus, dtype_bytes=nbytes,
                         kv_dtype_bytes=kv_bytes, kv_cache_memory_bytes=args.kv_cache_memory,
-                        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size)
+                        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                        weight_format=args.weights)
     except SloError as e:
         args.parser.error(f"argument --{e.setting.replace('_', '-')}: {e.message}")
     command = ["engine", "serve", "--model", str(args.model), "--dtype", dtype,
                "--max-num-seqs", str(plan.max_num_seqs), "--max-model-len", str(load.longest)]
+    if args.weights is not None and args.weights.name in engine_quantizations():
+        command += ["--quantization", args.weights.name]
     if plan.tp > 1:
         command += ["--tensor-parallel-size", str(plan.tp)]
     if plan.replicas > 1:
@@ -113,6 +130,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         f"{spec.name} on {dev.name}: {args.request_rate:g} requests/s of {load.prompt:g} prompt / {load.output:g} "
         f"output tokens; targets TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms",
         f"layout          {plan.replicas} replica(s) x TP {plan.tp} = {plan.gpus} GPU(s)",
+        *([f"weights         linear layers in {args.weights.name} ({args.weights.bits_per_weight:g} bits a weight, "
+            "scales included)"] if args.weights else []),
         f"max_num_seqs    {plan.max_num_seqs} (running per replica predicted: {p.concurrency:,.1f})",
         f"KV budget       {plan.kv_budget_bytes / GiB:,.2f} GiB per GPU = {plan.kv_capacity_tokens:,} tokens",
         f"predicted       TTFT {p.ttft * 1e3:,.1f} ms, TPOT {p.tpot * 1e3:,.2f} ms, {p.throughput:,.1f} output tok/s",

@@ -34,6 +34,11 @@ class ParamTensor:
     # "embed" (first pipeline stage), "layer" (one per layer), "dense" (one per dense-MLP layer),
     # "moe" (one per MoE layer), "head" (last stage)
     place: str
+    # How a serving engine holds it (weight_formats.py): "linear", a linear layer's weight, kept in the
+    # --quantization format when one is given; "float32", always float32 (the MoE router: engine/layers/moe.py
+    # keeps its logits' weight in float32); "dtype", the model's dtype (embeddings, LM head, norms, biases,
+    # routed experts: the engine's fused experts hold float weights).
+    storage: str = "dtype"
 
 
 @dataclass(frozen=True)
@@ -204,37 +209,37 @@ class ModelSpec:
             t.append(ParamTensor("embed_positions", self.max_position_embeddings * h, "none", "embed"))
         t += [ParamTensor(f"input_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
         if self.fused_qkv:  # GPT-2 c_attn; GPT-2 has no GQA, so the whole tensor splits by heads
-            t.append(ParamTensor("qkv_proj", h * (self.q_size + 2 * self.kv_size), "heads", "layer"))
+            t.append(ParamTensor("qkv_proj", h * (self.q_size + 2 * self.kv_size), "heads", "layer", "linear"))
             if self.qkv_bias:
                 t.append(ParamTensor("qkv_proj.bias", self.q_size + 2 * self.kv_size, "heads", "layer"))
         else:
             for proj, size, split in (("q", self.q_size, "heads"), ("k", self.kv_size, "kv_heads"),
                                       ("v", self.kv_size, "kv_heads")):
-                t.append(ParamTensor(f"{proj}_proj", h * size, split, "layer"))
+                t.append(ParamTensor(f"{proj}_proj", h * size, split, "layer", "linear"))
                 if self.qkv_bias:
                     t.append(ParamTensor(f"{proj}_proj.bias", size, split, "layer"))
         if self.qk_norm:
             t += [ParamTensor("q_norm", self.head_dim, "none", "layer"),
                   ParamTensor("k_norm", self.head_dim, "none", "layer")]
-        t.append(ParamTensor("o_proj", self.q_size * h, "heads", "layer"))
+        t.append(ParamTensor("o_proj", self.q_size * h, "heads", "layer", "linear"))
         if self.out_bias:
             t.append(ParamTensor("o_proj.bias", h, "none", "layer"))  # row-parallel bias: replicated
         t += [ParamTensor(f"post_attention_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
         up = ("gate_proj", "up_proj") if self.mlp == "swiglu" else ("fc",)
         for proj in up:
-            t.append(ParamTensor(proj, h * f, "ffn", "dense"))
+            t.append(ParamTensor(proj, h * f, "ffn", "dense", "linear"))
             if self.mlp_bias:
                 t.append(ParamTensor(f"{proj}.bias", f, "ffn", "dense"))
-        t.append(ParamTensor("down_proj", f * h, "ffn", "dense"))
+        t.append(ParamTensor("down_proj", f * h, "ffn", "dense", "linear"))
         if self.mlp_bias:
             t.append(ParamTensor("down_proj.bias", h, "none", "dense"))
         if self.is_moe:
             e, fe, fs = self.num_experts, self.expert_ffn_size, self.shared_expert_ffn_size
-            t += [ParamTensor("router", e * h, "none", "moe"),
+            t += [ParamTensor("router", e * h, "none", "moe", "float32"),
                   ParamTensor("experts.gate_up_proj", e * 2 * fe * h, "experts", "moe"),
                   ParamTensor("experts.down_proj", e * h * fe, "experts", "moe")]
             if fs:
-                t += [ParamTensor(f"shared_expert.{proj}", h * fs, "ffn", "moe")
+                t += [ParamTensor(f"shared_expert.{proj}", h * fs, "ffn", "moe", "linear")
                       for proj in ("gate_proj", "up_proj", "down_proj")]
                 t.append(ParamTensor("shared_expert_gate", h, "none", "moe"))
         t += [ParamTensor(f"final_norm.{i}", h, "none", "head") for i in range(norm_tensors)]
@@ -294,6 +299,25 @@ class ModelSpec:
 
     @functools.cache  # plan search asks for the same (tp, pp) thousands of times
     def _busiest_stage(self, tp: int, pp: int, expert_shards: int) -> StageParams:
+        stages = []
+        for tensors in self._stages(pp):
+            experts = [(p, n) for p, n in tensors if p.split == "experts"]
+            stages.append(StageParams(
+                sum(n * self._shard(p, tp, expert_shards) for p, n in tensors), sum(n for _, n in tensors),
+                sum(n * self._shard(p, tp, expert_shards) for p, n in experts), sum(n for _, n in experts)))
+        return max(stages)
+
+    def stage_bytes(self, tp: int, pp: int, expert_shards: int | None, bytes_of) -> int:
+        """Bytes on the GPU of a TP x PP layout that holds the most, each tensor's shard costing
+        `bytes_of(tensor, elements on one GPU)` (a quantized layer's blocks, a float32 router: the busiest stage
+        in bytes need not be the one with the most elements). A `params_override` scales it as the counts."""
+        shards = expert_shards or tp
+        return self._scaled(max(sum(n * bytes_of(p, self._shard(p, tp, shards)) for p, n in tensors)
+                                for tensors in self._stages(pp)))
+
+    @functools.cache
+    def _stages(self, pp: int) -> tuple[tuple[tuple[ParamTensor, int], ...], ...]:
+        """Each pipeline stage's tensors and how many of each it holds."""
         base, extra = divmod(self.num_layers, pp)
         stages, start, moe = [], 0, set(self.moe_layers)
         for stage in range(pp):
@@ -305,11 +329,8 @@ class ModelSpec:
             tensors = [(p, count[p.place]) for p in self.param_tensors()]
             if stage == pp - 1 and pp > 1 and self.tie_word_embeddings:
                 tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), 1))
-            experts = [(p, n) for p, n in tensors if p.split == "experts"]
-            stages.append(StageParams(
-                sum(n * self._shard(p, tp, expert_shards) for p, n in tensors), sum(n for _, n in tensors),
-                sum(n * self._shard(p, tp, expert_shards) for p, n in experts), sum(n for _, n in experts)))
-        return max(stages)
+            stages.append(tuple(tensors))
+        return tuple(stages)
 
     def _shard(self, p: ParamTensor, tp: int, expert_shards: int) -> int:
         """Elements of `p` on one TP rank; a rank holding a part of the vocabulary holds ceil(V / tp) rows."""
