@@ -24,11 +24,19 @@ PRESETS = {
     # A small Mixtral: 0.32B parameters, 0.15B of them active per token (2 of 8 experts).
     "mixtral-tiny": dict(model_type="mixtral", hidden_size=768, intermediate_size=1024, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
+    # Published shapes (config.json of each), vocabulary and tied embeddings included: a vocabulary
+    # larger than the tokenizer's only means some ids never decode, which a speed run never asks.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
 }
 
 
 def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | None = None,
-                       dtype: str = "bfloat16", seed: int = 0, max_position_embeddings: int = 4096) -> str:
+                       dtype: str = "bfloat16", seed: int = 0, max_position_embeddings: int = 4096,
+                       **overrides) -> str:
+    """`overrides` replace fields of the preset's shape (a dry run shrinks a preset's layers and width)."""
     import torch
     import transformers
 
@@ -39,11 +47,11 @@ def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | N
 
         tokenizer = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
-    shape = dict(PRESETS[preset])
+    shape = {"vocab_size": len(tok), "tie_word_embeddings": False, **PRESETS[preset], **overrides}
     model_type = shape.pop("model_type", "llama")
     cfg = transformers.AutoConfig.for_model(
-        model_type, vocab_size=len(tok), head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
+        model_type, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         dtype=dtype, **shape,
@@ -57,7 +65,7 @@ def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | N
     if os.path.exists(gen):
         os.remove(gen)  # no sampling defaults: benchmarks set their own
     n = sum(p.numel() for p in model.parameters())
-    print(f"{path}: random {preset}, {n / 1e9:.3f}B parameters, {dtype}, vocabulary {len(tok)}")
+    print(f"{path}: random {preset}, {n / 1e9:.3f}B parameters, {dtype}, vocabulary {cfg.vocab_size}")
     return path
 
 
