@@ -121,9 +121,8 @@ class ParallelExecutor:
             self._broadcast(StepMessage(STEP, micro))
             outs = []
             for mb in micro:
-                t = time.perf_counter()
-                outs.append(self.runner.execute_model(mb))
-                pipeline.clock.compute_s += time.perf_counter() - t
+                with pipeline.clock.compute(self.runner.device):
+                    outs.append(self.runner.execute_model(mb))
             if self.layout.pp > 1:  # the last stage sampled; rank 0 only ran stage 0
                 outs = [pipeline.recv_output(src=self.layout.last_stage_leader) for _ in micro]
             pipeline.wait_sends()

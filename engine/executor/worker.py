@@ -61,9 +61,8 @@ def run_step(runner, msg: StepMessage, sends_output: bool) -> list:
     start = time.perf_counter()
     outs = []
     for batch in msg.micro_batches:
-        t = time.perf_counter()
-        out = runner.execute_model(batch)
-        pipeline.clock.compute_s += time.perf_counter() - t
+        with pipeline.clock.compute(runner.device):
+            out = runner.execute_model(batch)
         if sends_output:
             pipeline.send_output(out, dst=0)
         outs.append(out)
