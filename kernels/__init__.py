@@ -124,6 +124,9 @@ class Backend:
     select_experts: Callable  # (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, ids [T, k] int64)
     pack_moe_weights: Callable  # (w13, w2) -> packed expert weights or None
     fused_moe: Callable  # (x, topk_weights, topk_ids, w13, w2, expert_offset=0, packed=None) -> [T, H]
+    # (qk, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> qk rotated;
+    # qk's last value.shape[1] heads (the keys), rotated, and value stored at their slots
+    rotary_write_kv: Callable
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -142,6 +145,17 @@ def _no_moe_packing(w13, w2):
     return None
 
 
+def _rotary_then_write_kv(apply_rotary: Callable, write_kv: Callable) -> Callable:
+    """rotary_write_kv from a backend's own two ops, called as the attention layer called them."""
+
+    def rotary_write_kv(qk, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+        qk = apply_rotary(qk, cos, sin)
+        write_kv(qk[:, qk.shape[1] - value.shape[1]:], value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return qk
+
+    return rotary_write_kv
+
+
 def _torch_backend() -> Backend:
     def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -150,7 +164,8 @@ def _torch_backend() -> Backend:
     r = reference
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
                    r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
-                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, r.fused_moe)
+                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, r.fused_moe,
+                   rotary_write_kv=_rotary_then_write_kv(r.apply_rotary, r.write_kv))
 
 
 def _cpu_backend() -> Backend:
@@ -161,13 +176,14 @@ def _cpu_backend() -> Backend:
 
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
                    c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens,
-                   c.apply_token_bitmask, c.select_experts, c.pack_moe_weights, c.fused_moe)
+                   c.apply_token_bitmask, c.select_experts, c.pack_moe_weights, c.fused_moe,
+                   rotary_write_kv=_rotary_then_write_kv(c.apply_rotary, c.write_kv))
 
 
 def _triton_backend() -> Backend:
-    """Attention, the KV store and the MoE grouped GEMMs in Triton; norm / rotary / SwiGLU and
-    routing stay a few fused torch kernels each (next to the matmuls they are not worth a kernel
-    of their own)."""
+    """Attention, the KV store, the MoE grouped GEMMs and the fused elementwise ops (residual-add +
+    RMSNorm, rotary + KV store, SiLU-and-mul: one launch each, kernels/triton_fused.py) in Triton;
+    routing and the token bitmask stay torch."""
     from kernels import triton_moe
     from kernels import triton_ops as t
 
@@ -185,8 +201,9 @@ def _triton_backend() -> Backend:
 
     r = reference
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
-                   r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
-                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe)
+                   t.rms_norm, t.apply_rotary, t.silu_and_mul, _no_packing, _plain_linear, _no_padding,
+                   r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe,
+                   rotary_write_kv=t.rotary_write_kv)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}
@@ -251,6 +268,14 @@ def apply_rotary(x, cos, sin, backend: str = "torch"):
     """Rotary embedding of x [tokens, heads, head_dim] by cos/sin [tokens, 1, head_dim / 2];
     may rotate x in place (cpu backend): use the returned tensor."""
     return get_backend(backend).apply_rotary(x, cos, sin)
+
+
+def rotary_write_kv(qk, value, cos, sin, k_cache, v_cache, slot_mapping, backend: str = "torch",
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """apply_rotary then write_kv, fused where the backend can: qk [tokens, heads + kv_heads,
+    head_dim] holds the queries then the keys; both are rotated (maybe in place: use the returned
+    tensor) and the rotated keys and `value` [tokens, kv_heads, head_dim] stored at their slots."""
+    return get_backend(backend).rotary_write_kv(qk, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def silu_and_mul(x, backend: str = "torch"):

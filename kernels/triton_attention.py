@@ -84,7 +84,12 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
     return acc, m_new, l_i
 
 
-@triton.jit
+# A batch's sequence count and block-table width change from step to step: as plain ints Triton
+# would specialise on them (== 1, % 16) and compile a new variant mid-serving. Nor does the
+# alignment of the batch metadata, which is read a scalar at a time and may be a view into the
+# runner's staging buffer. Model sizes stay specialised (their divisibility lets loads vectorise).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def paged_attention_kernel(
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         part_out_ptr, part_lse_ptr,
@@ -168,7 +173,7 @@ def paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs, num_heads,
                         stride_o_tok, stride_o_head,
                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,

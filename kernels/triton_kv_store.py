@@ -30,7 +30,7 @@ def _round_to_e4m3(x):
     return (rounded | ((x_bits >> 31) << 31)).to(tl.float32, bitcast=True)  # the sign back, -0 included
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # may be a view into a staging buffer
 def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
                     stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk, stride_v_slot, stride_v_head,

@@ -3,9 +3,9 @@
 The T * top_k (token, expert) slots are sorted by local expert and each expert's list padded to a
 multiple of BLOCK_M (expert_blocks, torch ops), so every block of BLOCK_M sorted slots belongs to one
 expert. One launch multiplies each block's token rows by its expert's w13 (gate and up together),
-torch's SwiGLU follows, a second launch multiplies by the expert's w2 and the routing weight, and
-the top_k partial rows of each token are summed. Every size comes from shapes and no value is read
-back from the GPU, so a decode step that calls it can be captured in a CUDA graph.
+the fused SiLU-and-mul kernel follows, a second launch multiplies by the expert's w2 and the routing
+weight, and the top_k partial rows of each token are summed. Every size comes from shapes and no
+value is read back from the GPU, so a decode step that calls it can be captured in a CUDA graph.
 
 Imported only once the triton backend is chosen (kernels/__init__.py), like kernels/triton_ops.py.
 """
@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference, triton_ops
+from kernels import triton_ops
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # tokens x top_k: a new batch size must not recompile
 def grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_slots_ptr, block_experts_ptr,
                         N, K, num_slots, stride_a_row, stride_b_expert, stride_b_row, stride_c_row,
                         SLOTS_PER_A_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -130,7 +130,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     weights = topk_weights.float().contiguous()
     gate_up = torch.empty(num_slots, two_ffn, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, weights, sorted_slots, block_experts, top_k, False, tiles)
-    act = reference.silu_and_mul(gate_up)  # rows of slots routed elsewhere hold garbage no one reads
+    act = triton_ops.silu_and_mul(gate_up)  # rows of slots routed elsewhere hold garbage no one reads
     # float32 partial rows, summed over top_k and rounded once: the reference's float32 accumulator.
     # Zeros, since the rows of slots routed to other ranks' experts are never written.
     partial = torch.zeros(num_slots, hidden, dtype=torch.float32, device=x.device)

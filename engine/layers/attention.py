@@ -1,5 +1,6 @@
-"""Paged attention layer: stores this step's keys and values, then attends through the block
-tables. The batch layout and the backend come from the forward context (engine/layers/context.py)."""
+"""Paged attention layer: rotates this step's queries and keys, stores the keys and values, then
+attends through the block tables. The batch layout and the backend come from the forward context
+(engine/layers/context.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,15 @@ class PagedAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """qk [tokens, num_heads + num_kv_heads, head_dim]: the queries then the keys, not yet
+        rotated; v [tokens, num_kv_heads, head_dim]; rope: the step's (cos, sin). Rotary and the KV
+        store are one backend op (a single kernel on triton)."""
         context = get_forward_context()
         meta, backend = context.attn, context.backend
-        backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        qk = backend.rotary_write_kv(qk, v, *rope, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale,
+                                     self.v_scale)
+        q = qk[:, :self.num_heads]
         return backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, self.scale, plan=meta.plan, k_scale=self.k_scale,
                                        v_scale=self.v_scale)

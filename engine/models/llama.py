@@ -56,9 +56,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = get_forward_context().backend.apply_rotary(qk, *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k, v)
+        o = self.attn(qk, v, rope)  # rotary inside: the backend fuses it with the KV store
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

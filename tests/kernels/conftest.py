@@ -4,7 +4,8 @@ triton.jit decides between an interpreted and a compiled kernel when kernels/tri
 imported, reading TRITON_INTERPRET at that moment. This conftest is imported while pytest collects
 this folder, before any test module here imports the kernels, so setting the variable now is in
 time (torch may already be imported; triton itself may be too: only our kernels' import matters).
-With a GPU the variable is left alone: the kernels are compiled and also checked in bfloat16.
+With a GPU the variable is left alone and the kernels are compiled. Under the interpreter,
+interpreter_bf16 makes the interpreter compute bfloat16 as a GPU does, so bf16 is checked everywhere.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ import warnings
 import pytest
 import torch
 
+from tests.kernels import interpreter_bf16
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        interpreter_bf16.install()
+    except ImportError:  # no triton: the triton_ops fixture skips its tests
+        pass
 
 
 @pytest.fixture(scope="session")

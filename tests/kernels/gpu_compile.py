@@ -3,7 +3,9 @@
 Run as a script in a process without TRITON_INTERPRET (the test does that): the interpreter
 accepts programs the GPU compiler rejects, so CPU-only machines also build the real binaries.
 Each launch kernels/triton_ops.py and kernels/triton_moe.py make is recorded instead of run, then
-compiled with the same arguments, constexprs and launch options. Prints one line per binary; exits non-zero on failure.
+compiled with the same arguments, constexprs, specialisations and launch options. The start-up
+warm-up (triton_ops.warmup) is recorded too; `--all-warmup-variants` records every variant it
+compiles on a GPU instead (slow). Prints one line per binary; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from kernels import triton_moe, triton_ops
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                  torch.int32: "*i32", torch.int64: "*i64"}
+if getattr(torch, "float8_e4m3fn", None) is not None:
+    POINTER_TYPES[torch.float8_e4m3fn] = "*fp8e4nv"
 # Shared memory one block may use (bytes), per compute capability.
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
 class Recorder:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call."""
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call, with the compute
+    capabilities to build it for."""
 
     def __init__(self, kernel, calls):
         self.kernel, self.calls = kernel, calls
+        self.capabilities = (90, 80)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.kernel, args, dict(kwargs)))
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args, dict(kwargs), self.capabilities))
 
 
 def source(kernel, args, kwargs):
@@ -41,29 +47,55 @@ def source(kernel, args, kwargs):
     signature, constexprs, attrs = {}, {}, {}
     for param in kernel.params:
         name, value = param.name, values[param.name]
-        if param.is_constexpr or (isinstance(value, int) and value == 1):  # jit makes a 1 a constant
+        specialize = not param.do_not_specialize
+        if param.is_constexpr or (specialize and isinstance(value, int) and value == 1):  # jit makes a 1 a constant
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
+            if value.data_ptr() % 16 == 0 and not param.do_not_specialize_on_alignment:
                 attrs[(param.num,)] = [["tt.divisibility", 16]]
         elif isinstance(value, int):
             signature[name] = "i32" if abs(value) < 2**31 else "i64"
-            if value % 16 == 0:
+            if specialize and value % 16 == 0:
                 attrs[(param.num,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
     return ASTSource(kernel, signature, constexprs, attrs), options
 
 
-def record_launches():
-    """The launches of a decode batch (with and without split-KV), a prefill, a KV store, and an
-    MoE layer's two grouped GEMMs at decode and prefill tiles."""
+def job_key(kernel, args, kwargs):
+    """What triton.jit caches a binary by: the same key twice is one compile."""
+    src, options = source(kernel, args, dict(kwargs))
+    return src.hash(), str(sorted(options.items()))
+
+
+def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False):
+    """The launches of a decode batch (with and without split-KV), a prefill, a KV store, an MoE
+    layer's two grouped GEMMs at decode and prefill tiles and its SiLU-and-mul, and the start-up
+    warm-up of a Llama-3.2-1B shape at a short max_model_len (no split counts; the fused norm,
+    rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only: Ampere has no e4m3
+    conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead the warm-ups of the
+    1B shape at 8k context (every tile and split count on an H100's 132 SMs) and of a Qwen3 shape
+    (q/k norms on head-strided rows): what a GPU compiles at start-up, many more binaries."""
     calls = []
-    for name in ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel"):
-        setattr(triton_ops, name, Recorder(getattr(triton_ops, name), calls))
+    names = ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel", "rms_norm_kernel",
+             "rotary_write_kv_kernel", "silu_and_mul_kernel")
+    recorders = {name: Recorder(getattr(triton_ops, name), calls) for name in names}
+    for name, recorder in recorders.items():
+        setattr(triton_ops, name, recorder)
     triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
+    triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
+    llama_1b = dict(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, max_model_len=8192,
+                    dtype=torch.bfloat16, device="cpu", hidden_size=2048, intermediate_sizes=(8192,))
+    if warmup_only:  # the shape check_steps_after_warmup steps through
+        triton_ops.warmup(**dict(llama_1b, max_model_len=2048))
+        return calls
+    if all_warmup_variants:
+        triton_ops.warmup(**llama_1b)
+        triton_ops.warmup(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16, max_model_len=1024,
+                          dtype=torch.bfloat16, device="cpu", hidden_size=1024, qk_norm=True)  # Qwen3-0.6B
+        return calls
 
     def batch(num_seqs, q_len, head_dim, dtype=torch.bfloat16, heads=32, kv_heads=8, block_size=16, context=256):
         width = heads + 2 * kv_heads  # the query is a view of a fused qkv tensor, as in the model
@@ -88,14 +120,66 @@ def record_launches():
         ids = torch.randint(0, 2 * experts, (num_tokens, top_k))
         x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
         triton_moe.fused_moe(x, torch.rand(num_tokens, top_k), ids, w13, w2, expert_offset=experts // 2)
+    triton_ops.warmup(**dict(llama_1b, max_model_len=256))
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is not None:
+        for recorder in recorders.values():
+            recorder.capabilities = (90,)
+        triton_ops.warmup(**dict(llama_1b, max_model_len=256, kv_cache_dtype=fp8))
     return calls
 
 
-def main() -> int:
+def check_steps_after_warmup() -> int:
+    """No step of a served model needs a binary the start-up warm-up did not build: record the
+    warm-up's launches, then the launches of steps of many batch shapes (1 to 65 sequences, decodes,
+    prefill chunks, block tables 1 to 128 blocks wide, metadata at 8-byte offsets into a staging
+    buffer as engine/step_inputs.py lays it out), laid out as the model lays out its tensors, and
+    compare what triton.jit would cache each by. Prints every launch that would compile anew."""
+    calls = record_launches(warmup_only=True)
+    warm = {job_key(kernel, args, kwargs) for kernel, args, kwargs, _ in calls}
+    heads, kv_heads, head_dim, block_size, hidden, inter = 32, 8, 64, 16, 2048, 8192
+    dtype = torch.bfloat16
+    cache = torch.empty(64, block_size, kv_heads, head_dim, dtype=dtype)
+    weight = torch.empty(hidden, dtype=dtype)
+    staging = torch.empty(4096, dtype=torch.uint8)
+    del calls[:]
+    # (sequences, queries each, block-table width <= max_model_len / block_size = 128): split counts
+    # 1 to 8 on 132 SMs, decode and prefill tiles.
+    for num_seqs, q_len, width in [(1, 1, 1), (1, 1, 3), (1, 1, 128), (2, 1, 16), (3, 1, 17), (16, 1, 40),
+                                   (17, 1, 128), (65, 1, 9), (1, 37, 4), (2, 64, 128), (5, 16, 7), (1, 200, 13)]:
+        num_tokens = num_seqs * q_len
+        qkv = torch.empty(num_tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
+        x = torch.empty(num_tokens, hidden, dtype=dtype)
+        triton_ops.rms_norm(x, weight, 1e-6, x)
+        cos = torch.empty(num_tokens, head_dim // 2, dtype=dtype).unsqueeze(1)
+        slots = staging[8:8 + 8 * num_tokens].view(torch.int64)  # 8-byte aligned, not 16
+        qk = triton_ops.rotary_write_kv(qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:], cos, cos, cache,
+                                        cache, slots)
+        table = torch.zeros(num_seqs, width, dtype=torch.int32)
+        meta = staging[2408:2408 + 4 * (2 * num_seqs + 1)].view(torch.int32)  # 8-byte aligned, not 16
+        triton_ops.paged_attention(qk[:, :heads], cache, cache, table, meta[:num_seqs + 1], meta[num_seqs + 1:],
+                                   0.125)
+        triton_ops.silu_and_mul(torch.empty(num_tokens, 2 * inter, dtype=dtype))
+    new = 0
+    for kernel, args, kwargs, _ in calls:
+        if job_key(kernel, args, kwargs) not in warm:
+            new += 1
+            consts = {k: v for k, v in kwargs.items() if k.isupper()}
+            print(f"NEW  {kernel.__name__} {consts}: a step of this shape would compile after the warm-up", flush=True)
+    print(f"{len(calls)} step launches, {new} needing a binary the warm-up did not build", flush=True)
+    return 1 if new or not calls else 0
+
+
+def main(argv: list[str]) -> int:
     assert os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"), "run without the interpreter"
+    if "--check-steps-after-warmup" in argv:
+        return check_steps_after_warmup()
     failures = 0
-    for kernel, args, kwargs in record_launches():
-        for capability in (90, 80):
+    jobs = {}
+    for kernel, args, kwargs, capabilities in record_launches("--all-warmup-variants" in argv):
+        jobs.setdefault(job_key(kernel, args, kwargs), (kernel, args, kwargs, capabilities))
+    for kernel, args, kwargs, capabilities in jobs.values():
+        for capability in capabilities:
             src, options = source(kernel, args, dict(kwargs))
             consts = {k: v for k, v in kwargs.items() if k.isupper()}
             label = f"sm_{capability} {kernel.__name__} {consts} {options}"
@@ -111,4 +195,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

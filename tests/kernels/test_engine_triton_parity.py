@@ -11,8 +11,9 @@ from tests.engine.hf_oracle import hf_greedy
 from tests.tiny_model import build_tiny_model
 
 
-# Llama, and Mixtral for the grouped-GEMM MoE kernel (8 experts, top-2).
-MODELS = {"llama": dict(model_type="llama"),
+# Llama, Qwen3 for the q/k norms (the norm kernel on head-strided rows) and Mixtral for the
+# grouped-GEMM MoE kernel (8 experts, top-2).
+MODELS = {"llama": dict(model_type="llama"), "qwen3": dict(model_type="qwen3"),
           "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=36)}
 
 

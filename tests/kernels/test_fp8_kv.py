@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from kernels import cpu_build, reference
-from tests.kernels.kernel_cases import DEVICE, check_attention, make_batch
+from tests.kernels.kernel_cases import DEVICE, DTYPES, check_attention, make_batch
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 if FP8 is None:
@@ -25,7 +25,6 @@ if FP8 is None:
 NAN_BYTE = 0x7F  # e4m3's NaN
 # (k_scale, v_scale): vLLM's default without calibration, and scales that are not powers of two.
 SCALES = [(1.0, 1.0), (0.37, 2.5)]
-QUERY_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 needs_cpu_kernels = pytest.mark.skipif(cpu_build.available() is not None, reason="the CPU kernels did not build")
 
 
@@ -98,7 +97,7 @@ def test_reference_write_kv_stores_the_quantized_bytes(head_major):
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(1, 16, 16), (3, 80, 32), (2, 24, 8)])
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)
-@pytest.mark.parametrize("dtype", QUERY_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_reference_bytes(request, backend, num_kv_heads, head_dim, block_size, k_scale, v_scale,
                                           dtype):
     use_backend(backend, request)
@@ -174,11 +173,9 @@ def check_fp8_attention(backend, b, dequantized, k_scale, v_scale):
 
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batch(request, backend, k_scale, v_scale, dtype):
     use_backend(backend, request)
-    if dtype not in QUERY_DTYPES and backend == "triton":
-        pytest.skip("the interpreter mishandles bfloat16 (kernel_cases.DTYPES)")
     # Decodes among prefill chunks: one after a cached prefix ending mid-block, one a whole prompt,
     # a strided query (a slice of the fused projection) and padding rows after the last sequence.
     b, dq = fp8_batch([1, 7, 1, 12], [40, 21 + 7, 1, 12], k_scale, v_scale, backend, num_kv_heads=2, group=2,
