@@ -127,6 +127,7 @@ class Backend:
     # (qk, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> qk rotated;
     # qk's last value.shape[1] heads (the keys), rotated, and value stored at their slots
     rotary_write_kv: Callable
+    argmax: Callable  # (logits [B, V]) -> int64 [B]: each row's first maximum (NaN first), greedy sampling
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -165,7 +166,7 @@ def _torch_backend() -> Backend:
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
                    r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
                    r.apply_token_bitmask, r.select_experts, _no_moe_packing, r.fused_moe,
-                   rotary_write_kv=_rotary_then_write_kv(r.apply_rotary, r.write_kv))
+                   rotary_write_kv=_rotary_then_write_kv(r.apply_rotary, r.write_kv), argmax=r.argmax)
 
 
 def _cpu_backend() -> Backend:
@@ -177,7 +178,7 @@ def _cpu_backend() -> Backend:
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
                    c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens,
                    c.apply_token_bitmask, c.select_experts, c.pack_moe_weights, c.fused_moe,
-                   rotary_write_kv=_rotary_then_write_kv(c.apply_rotary, c.write_kv))
+                   rotary_write_kv=_rotary_then_write_kv(c.apply_rotary, c.write_kv), argmax=c.argmax)
 
 
 def _triton_backend() -> Backend:
@@ -203,7 +204,7 @@ def _triton_backend() -> Backend:
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
                    t.rms_norm, t.apply_rotary, t.silu_and_mul, _no_packing, _plain_linear, _no_padding,
                    r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe,
-                   rotary_write_kv=t.rotary_write_kv)
+                   rotary_write_kv=t.rotary_write_kv, argmax=r.argmax)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}

@@ -596,6 +596,68 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
   });
 }
 
+// ---- greedy sampling: each row's first maximum -------------------------------------------------
+
+// torch.max(dim).indices' answer: the first index of the row's largest value, and the first NaN's
+// when the row has one (NaN compares largest). Per lane, a strict > keeps a value's first index;
+// across lanes, the smallest index among the lanes holding the maximum. torch's own reduction
+// reads bfloat16 logits at ~5 GB/s here (4.8 ms for 256 x 49,152), a sixth of a plain read.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+  int64_t start = 0, best_at = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n >= kF) {
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 vbest = ninf;
+    __m512i vidx = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nans = 0;
+    const int64_t whole = n / kF * kF;
+    for (int64_t i = 0; i < whole; i += kF) {
+      const __m512 v = load_f(row + i);
+      nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+      vbest = _mm512_mask_mov_ps(vbest, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    nan = nans != 0;
+    best = _mm512_reduce_max_ps(vbest);
+    best_at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ), vidx);
+    if (best == -std::numeric_limits<float>::infinity()) best_at = 0;  // every value -inf: index 0
+    start = whole;
+  }
+#endif
+  for (int64_t i = start; i < n && !nan; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (std::isnan(v)) nan = true;
+    else if (v > best) best = v, best_at = i;
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(static_cast<float>(row[i]))) return i;
+  }
+  return best_at;
+}
+
+// logits [rows, vocab] -> int64 [rows].
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "argmax_rows: logits must be contiguous [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_rows: an empty row has no maximum");
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  PW_DISPATCH(logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* l = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(l + r * vocab, vocab);
+    });
+  });
+  return out;
+}
+
 // ---- mixture of experts ---------------------------------------------------------------------------
 //
 // x [T, H]; topk_ids [T, k] int64 global expert ids; topk_weights [T, k] float32. This rank holds
@@ -780,6 +842,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store keys and values at their slots");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "set the tokens a grammar's bitmask forbids to -inf, in place");
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum (NaN first), as torch.max(dim).indices");
   m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
   m.def("padded_rows", &padded_rows, "the rows an expert's segment of n tokens is padded to");
   pybind11::class_<PackedExperts>(m, "PackedExperts")

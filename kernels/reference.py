@@ -220,6 +220,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: each [B, V] row's first maximum, NaN counting as largest, int64 [B].
+    max(dim).indices rather than argmax: the same index, and on CPU ~7x faster for bfloat16 rows."""
+    return logits.max(dim=-1).indices
+
+
 # ---- mixture of experts -----------------------------------------------------------------------------
 # Expert weights are stacked per layer: w13 [experts, 2 * ffn, hidden] (gate rows, then up rows) and
 # w2 [experts, hidden, ffn]. A rank may hold a slice of them: a run of whole experts starting at
