@@ -1,28 +1,40 @@
 // Matmuls on GGUF block-quantized weights, read as llama.cpp stores them: y[M, N] = x[M, K] @ W[N, K]^T
-// with W's rows kept as their raw blocks of 32 weights. Built on first use by kernels/cpu_build.py
-// (load_quant) for the CPU capability torch reports; kernels/cpu_quant.py is the Python side and
-// says which path runs when.
+// with W's rows kept as their raw blocks. Built on first use by kernels/cpu_build.py (load_quant) for
+// the CPU capability torch reports; kernels/cpu_quant.py is the Python side and says which path runs
+// when.
 //
-// Block formats (byte layout of one block; value of weight i, i in 0..31):
-//   Q8_0  fp16 scale d, int8 q[32]                 d * q[i]
-//   Q4_0  fp16 scale d, 16 bytes of nibbles        d * (nibble(i) - 8)
-//   Q4_1  fp16 scale d, fp16 min m, 16 nibbles     d * nibble(i) + m
-// nibble(i): the low nibble of byte i for i < 16, the high nibble of byte i - 16 otherwise
-// (gguf.quants.dequantize, the oracle, reads them so).
+// Block formats (byte layout of one block; value of weight i):
+//   Q8_0  32 weights, 34 bytes: fp16 scale d, int8 q[32]                 d * q[i]
+//   Q4_0  32 weights, 18 bytes: fp16 scale d, 16 bytes of nibbles        d * (nibble(i) - 8)
+//   Q4_1  32 weights, 20 bytes: fp16 scale d, fp16 min m, 16 nibbles     d * nibble(i) + m
+//     nibble(i): the low nibble of byte i for i < 16, the high nibble of byte i - 16 otherwise.
+//   Q4_K  256 weights (a super-block of 8 sub-blocks j of 32), 144 bytes: fp16 d, fp16 dmin,
+//         12 bytes of 6-bit scales sc[j] and mins mn[j] (q4_k_scales_mins draws the packing), then
+//         128 bytes of nibbles: bytes 32c..32c+31 hold sub-block 2c in their low nibbles and 2c+1
+//         in their high ones.                                    (d * sc[j]) * nibble - dmin * mn[j]
+//   Q6_K  256 weights (16 groups of 16, each with its int8 scale), 210 bytes: 128 bytes ql of low
+//         nibbles, 64 bytes qh of 2-bit high parts, int8 sc[16], fp16 d. Each half h of 128 weights
+//         reads ql[64h..64h+63] and qh[32h..32h+31]; its quarter t (32 weights, l = 0..31) takes
+//         the low (t < 2) or high (t >= 2) nibble of ql[64h + 32(t % 2) + l] and bits 2t..2t+1 of
+//         qh[32h + l] as bits 4..5.                              (d * sc[i / 16]) * (q6(i) - 32)
+// gguf.quants.dequantize, the oracle, reads them so. Every product above is exact in float32 (fp16
+// mantissas times small integers), so each weight is the oracle's float whatever the order of the
+// operations, FMA or not.
 //
 // Two kernels:
 //   linear_f32   dequantizes each block into float registers and FMAs it against up to four float
 //                activation rows at once (one dequantization serves them all); exact float math, so
 //                it agrees with "dequantize, then a float matmul" to summation order. For decode and
 //                small batches, where the weight bytes streamed per token are the cost.
-//   linear_q8    llama.cpp's way: the activation rows quantized to int8 per 32-block (scale
-//                amax / 127), then integer dot products (AVX-512 VNNI vpdpbusd, unsigned nibbles x
-//                signed activations) and one float FMA per block. Fewer instructions per weight than
-//                linear_f32, at the price of the activations' int8 rounding (about 0.4% per block).
+//   linear_q8    llama.cpp's way, for the 32-weight formats: the activation rows quantized to int8
+//                per 32-block (scale amax / 127), then integer dot products (AVX-512 VNNI vpdpbusd,
+//                unsigned nibbles x signed activations) and one float FMA per block. Fewer
+//                instructions per weight than linear_f32, at the price of the activations' int8
+//                rounding (about 0.4% per block).
 //   dequantize   whole rows to float or bfloat16, for the prefill path (a oneDNN/MKL GEMM on the
 //                dequantized matrix beats both kernels once enough rows share each weight).
-// Threads split the output rows N (at::parallel_for): each thread streams its own weight rows once
-// and keeps them in L1 while it walks every activation row.
+// Threads split the output rows N (at::parallel_for): each thread streams its own weight rows,
+// prefetched ahead in software, once per group of 4 activation rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -40,17 +53,10 @@
 
 namespace {
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-constexpr int64_t kBlock = 32;
-
-inline int64_t block_bytes(int64_t fmt) {
-  switch (fmt) {
-    case kQ8_0: return 34;
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-  }
-  TORCH_CHECK(false, "unknown block format ", fmt);
-}
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+constexpr int64_t kNumFormats = 5;
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 32, 256, 256};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 20, 144, 210};
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -58,21 +64,70 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// One block as 32 floats (the portable path, and the reference inside the AVX-512 file).
-template <int64_t F>
-inline void dequant_block_scalar(const uint8_t* b, float* w) {
+// Q4_K's 8 sub-block scales and 8 mins, 6 bits each, from 12 bytes: for j < 4, the low 6 bits of
+// bytes j (scale) and 4 + j (min); for j >= 4, the nibbles of byte 4 + j (scale low, min high)
+// below the top 2 bits of bytes j - 4 (scale) and j (min). Four bytes at a time: sm = sc[0..7],
+// mn[0..7].
+inline void q4_k_scales_mins(const uint8_t* s, uint8_t* sm) {
+  uint32_t lo_sc, lo_mn, nib;
+  std::memcpy(&lo_sc, s, 4);
+  std::memcpy(&lo_mn, s + 4, 4);
+  std::memcpy(&nib, s + 8, 4);
+  const uint32_t out[4] = {
+      lo_sc & 0x3F3F3F3Fu,
+      (nib & 0x0F0F0F0Fu) | ((lo_sc >> 2) & 0x30303030u),  // each byte's top 2 bits -> its bits 4..5
+      lo_mn & 0x3F3F3F3Fu,
+      ((nib >> 4) & 0x0F0F0F0Fu) | ((lo_mn >> 2) & 0x30303030u),
+  };
+  std::memcpy(sm, out, 16);
+}
+
+// ---- one block as floats, scalar: the portable path, and the dequantize op's ---------------------
+
+inline void decode_q8_0(const uint8_t* b, float* w) {
   const float d = half_at(b);
-  if constexpr (F == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    for (int i = 0; i < 32; ++i) w[i] = d * q[i];
-  } else {
-    const uint8_t* qs = b + (F == kQ4_1 ? 4 : 2);
-    const float m = F == kQ4_1 ? half_at(b + 2) : -8.0f * d;
-    for (int i = 0; i < 16; ++i) {
-      w[i] = std::fma(static_cast<float>(qs[i] & 0x0F), d, m);
-      w[i + 16] = std::fma(static_cast<float>(qs[i] >> 4), d, m);
-    }
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int i = 0; i < 32; ++i) w[i] = d * q[i];
+}
+
+// Q4_0 and Q4_1: d * nibble + m, with m = -8d for Q4_0.
+inline void decode_q4(const uint8_t* qs, float d, float m, float* w) {
+  for (int i = 0; i < 16; ++i) {
+    w[i] = static_cast<float>(qs[i] & 0x0F) * d + m;
+    w[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
   }
+}
+
+inline void decode_q4_k(const uint8_t* b, float* w) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  uint8_t sm[16];
+  q4_k_scales_mins(b + 4, sm);
+  for (int j = 0; j < 8; ++j) {
+    const float scale = d * sm[j], min = dmin * sm[8 + j];
+    const uint8_t* q = b + 16 + (j / 2) * 32;
+    const int shift = (j % 2) * 4;
+    for (int i = 0; i < 32; ++i) w[j * 32 + i] = scale * ((q[i] >> shift) & 0x0F) - min;
+  }
+}
+
+inline void decode_q6_k(const uint8_t* b, float* w) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int i = 0; i < 256; ++i) {
+    const int h = i / 128, t = (i % 128) / 32, l = i % 32;
+    const int low = (b[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
+    const int high = (b[128 + 32 * h + l] >> (2 * t)) & 3;
+    w[i] = (d * sc[i / 16]) * ((low | (high << 4)) - 32);
+  }
+}
+
+template <int64_t F>
+inline void decode_scalar(const uint8_t* b, float* w) {
+  if constexpr (F == kQ8_0) decode_q8_0(b, w);
+  if constexpr (F == kQ4_0) decode_q4(b + 2, half_at(b), -8.0f * half_at(b), w);
+  if constexpr (F == kQ4_1) decode_q4(b + 4, half_at(b), half_at(b + 2), w);
+  if constexpr (F == kQ4_K) decode_q4_k(b, w);
+  if constexpr (F == kQ6_K) decode_q6_k(b, w);
 }
 
 // Output rows per work item: small enough that both threads of a decode get work on the smallest
@@ -81,66 +136,164 @@ constexpr int64_t kRowsPerTask = 16;
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// A block's 32 weights as two float vectors (weights 0..15, 16..31).
+// How far ahead of the block being multiplied its weight row is prefetched into L1 (measured on
+// the 2-core AVX-512 machine: 1-3 KB all ~2x faster than none with cold weights; see
+// benchmarks/quant/README.md).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// ---- one block as float vectors (AVX-512): decode<F>(block, sink) calls sink(i, w0, w1) for each
+// run of 32 weights i..i+31 of the block (w0: the first 16, w1: the next 16) ----------------------
+
 // An fp16 at p broadcast to 16 floats, in vector registers (vcvtph2ps): the scalar conversion
-// costs more than the rest of a block's dequantization.
+// costs more than the rest of a 32-weight block's dequantization.
 inline __m512 half_bcast(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(bits)));
 }
 
-template <int64_t F>
-inline void dequant_block(const uint8_t* b, __m512& w0, __m512& w1) {
+inline __m512 u8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+template <typename Sink>
+inline void decode_q8_0(const uint8_t* b, Sink&& sink) {
   const __m512 d = half_bcast(b);
-  if constexpr (F == kQ8_0) {
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
-  } else {
-    const __m128i v = _mm_loadu_si128((const __m128i*)(b + (F == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    const __m512 m = F == kQ4_1 ? half_bcast(b + 2) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+  const auto q = [&](int i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i))));
+  };
+  sink(0, _mm512_mul_ps(q(0), d), _mm512_mul_ps(q(16), d));
+}
+
+template <typename Sink>
+inline void decode_q4(const uint8_t* qs, __m512 d, __m512 m, Sink&& sink) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(0x0F);
+  sink(0, _mm512_fmadd_ps(u8_to_ps(_mm_and_si128(v, mask)), d, m),
+       _mm512_fmadd_ps(u8_to_ps(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), d, m));
+}
+
+template <typename Sink>
+inline void decode_q4_k(const uint8_t* b, Sink&& sink) {
+  // The 8 scales and 8 mins as floats at once (d * sc, -dmin * mn), then one broadcast each per
+  // sub-block: unpacking them one by one in scalar code cost as much as the nibbles.
+  uint8_t sm[16];  // sc[0..7], mn[0..7]
+  q4_k_scales_mins(b + 4, sm);
+  const __m256i ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm)));
+  const __m256i ints_min = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
+  alignas(32) float scale[8], neg_min[8];
+  _mm256_store_ps(scale, _mm256_mul_ps(_mm512_castps512_ps256(half_bcast(b)), _mm256_cvtepi32_ps(ints)));
+  _mm256_store_ps(neg_min, _mm256_mul_ps(_mm512_castps512_ps256(half_bcast(b + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), ints_min))));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 32 * c));
+    const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 32 * c));
+    const auto sub = [&](int j, __m128i q0, __m128i q1) {
+      const __m512 d = _mm512_set1_ps(scale[j]), m = _mm512_set1_ps(neg_min[j]);
+      sink(32 * j, _mm512_fmadd_ps(u8_to_ps(q0), d, m), _mm512_fmadd_ps(u8_to_ps(q1), d, m));
+    };
+    sub(2 * c, _mm_and_si128(v0, mask), _mm_and_si128(v1, mask));
+    sub(2 * c + 1, _mm_and_si128(_mm_srli_epi16(v0, 4), mask), _mm_and_si128(_mm_srli_epi16(v1, 4), mask));
   }
+}
+
+template <typename Sink>
+inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
+  // Per group g of 16 weights: its scale d * sc[g], and -32 times it, so that one FMA gives
+  // (d * sc) * q - 32 (d * sc), which is (d * sc) * (q - 32) exactly.
+  alignas(64) float scale[16], offset[16];
+  const __m512 s = _mm512_mul_ps(half_bcast(b + 208), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+  _mm512_store_ps(scale, s);
+  _mm512_store_ps(offset, _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)));
+  const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  for (int h = 0; h < 2; ++h) {  // 128 weights from 64 bytes of ql and 32 of qh
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    const __m128i l0 = load(ql), l1 = load(ql + 16), l2 = load(ql + 32), l3 = load(ql + 48);
+    const __m128i h0 = load(qh), h1 = load(qh + 16);
+    // 16 weights from their low nibbles and their high 2 bits (bits `shift`.. of qh), group g.
+    const auto group = [&](__m128i low, __m128i hi, int shift, int g) {
+      const __m128i high = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(shift)), mask2);
+      const __m512 q = u8_to_ps(_mm_or_si128(low, _mm_slli_epi16(high, 4)));
+      return _mm512_fmadd_ps(q, _mm512_set1_ps(scale[g]), _mm512_set1_ps(offset[g]));
+    };
+    const auto quarter = [&](int t, __m128i low0, __m128i low1) {
+      sink(128 * h + 32 * t, group(low0, h0, 2 * t, 8 * h + 2 * t), group(low1, h1, 2 * t, 8 * h + 2 * t + 1));
+    };
+    quarter(0, _mm_and_si128(l0, mask4), _mm_and_si128(l1, mask4));
+    quarter(1, _mm_and_si128(l2, mask4), _mm_and_si128(l3, mask4));
+    quarter(2, _mm_and_si128(_mm_srli_epi16(l0, 4), mask4), _mm_and_si128(_mm_srli_epi16(l1, 4), mask4));
+    quarter(3, _mm_and_si128(_mm_srli_epi16(l2, 4), mask4), _mm_and_si128(_mm_srli_epi16(l3, 4), mask4));
+  }
+}
+
+template <int64_t F, typename Sink>
+inline void decode(const uint8_t* b, Sink&& sink) {
+  if constexpr (F == kQ8_0) decode_q8_0(b, sink);
+  if constexpr (F == kQ4_0) decode_q4(b + 2, half_bcast(b), _mm512_mul_ps(half_bcast(b), _mm512_set1_ps(-8.0f)), sink);
+  if constexpr (F == kQ4_1) decode_q4(b + 4, half_bcast(b), half_bcast(b + 2), sink);
+  if constexpr (F == kQ4_K) decode_q4_k(b, sink);
+  if constexpr (F == kQ6_K) decode_q6_k(b, sink);
+}
+
+template <int64_t F>
+inline void decode_floats(const uint8_t* b, float* w) {
+  decode<F>(b, [&](int64_t i, __m512 w0, __m512 w1) {
+    _mm512_storeu_ps(w + i, w0);
+    _mm512_storeu_ps(w + i + 16, w1);
+  });
 }
 
 // R activation rows (stride K) against one weight row of nb blocks: R dot products.
 template <int64_t F, int R>
 inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, float* out) {
-  constexpr int64_t bb = F == kQ8_0 ? 34 : (F == kQ4_0 ? 18 : 20);
-  // Two accumulators per row (one per half block): with one, a decode row (R = 1) waits on the
-  // FMA latency chain, measured 1.4x slower than the block's dequantization alone.
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
+  // Two accumulators per row (one per half of a 32-weight run): with one, a decode row (R = 1)
+  // waits on the FMA latency chain, measured 1.4x slower than the block's dequantization alone.
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  // One or two rows: software prefetch kPrefetchBytes ahead in the weight stream (into the next
+  // rows at a row's end), as the hardware prefetchers alone left a decode matmul at 40% of the
+  // bytes per second. With more rows the block's FMAs hide the memory latency and the prefetches
+  // only cost (measured 15-30% slower at 4 rows).
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0, w1;
-    dequant_block<F>(w + b * bb, w0, w1);
-    const float* xb = x + b * kBlock;
-    for (int r = 0; r < R; ++r) {
-      acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * K), acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * K + 16), acc1[r]);
+    if constexpr (R <= 2) {
+      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
+      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
     }
+    decode<F>(w + b * bb, [&](int64_t i, __m512 w0, __m512 w1) {
+      const float* xb = x + b * bw + i;
+      for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * K), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * K + 16), acc1[r]);
+      }
+    });
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 
 #else
 
+template <int64_t F>
+inline void decode_floats(const uint8_t* b, float* w) {
+  decode_scalar<F>(b, w);
+}
+
 template <int64_t F, int R>
 inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, float* out) {
-  constexpr int64_t bb = F == kQ8_0 ? 34 : (F == kQ4_0 ? 18 : 20);
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
   float acc[R] = {};
-  float wf[32];
+  float wf[bw];
   for (int64_t b = 0; b < nb; ++b) {
-    dequant_block_scalar<F>(w + b * bb, wf);
+    decode_scalar<F>(w + b * bb, wf);
     for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + b * kBlock;
-      float s = 0.0f;
-      for (int i = 0; i < 32; ++i) s = std::fma(wf[i], xb[i], s);
-      acc[r] += s;
+      const float* xb = x + r * K + b * bw;
+      for (int64_t c = 0; c < bw; c += 32) {
+        float s = 0.0f;
+        for (int64_t i = c; i < c + 32; ++i) s += wf[i] * xb[i];
+        acc[r] += s;
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -150,7 +303,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
 
 template <int64_t F>
 void linear_f32_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(F);
+  const int64_t nb = K / kBlockWeights[F], row_bytes = nb * kBlockBytes[F];
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
     float out[4];
     for (int64_t m = 0; m < M; m += 4) {
@@ -171,14 +324,18 @@ void linear_f32_impl(const float* x, const uint8_t* w, float* y, int64_t M, int6
 }
 
 void check_weight(const at::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK(fmt >= 0 && fmt < kNumFormats, "unknown block format ", fmt);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "quantized weight: contiguous uint8 [N, row bytes]");
-  TORCH_CHECK(K % kBlock == 0, "in_features ", K, " is not a multiple of the block size 32");
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(fmt), "quantized weight rows hold ", w.size(1),
-              " bytes, not ", K / kBlock * block_bytes(fmt), " for ", K, " inputs");
+  const int64_t bw = kBlockWeights[fmt], row_bytes = K / bw * kBlockBytes[fmt];
+  TORCH_CHECK(K % bw == 0, "in_features ", K, " is not a multiple of the format's block of ", bw, " weights");
+  TORCH_CHECK(w.size(1) == row_bytes, "quantized weight rows hold ", w.size(1), " bytes, not ", row_bytes, " for ",
+              K, " inputs");
 }
 
-// ---- Q8 activations + integer dot products ------------------------------------------------------
+// ---- Q8 activations + integer dot products (the 32-weight formats) -------------------------------
+
+constexpr int64_t kBlock = 32;
 
 // Activation rows as int8 blocks of 32 with a float scale each (llama.cpp's block_q8_0 without the
 // fp16 rounding of the scale) and the block's sum of q times its scale, which the min of a Q4_1
@@ -219,7 +376,7 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 template <int64_t F, int R>
 PAGEWISE_VNNI inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m, int64_t K,
                                       float* out) {
-  constexpr int64_t bb = F == kQ8_0 ? 34 : (F == kQ4_0 ? 18 : 20);
+  constexpr int64_t bb = kBlockBytes[F];
   __m256 acc[R];
   float offset[R] = {};  // the min / -8 terms: sum over blocks of m_w * d_x * sum(q_x)
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -259,11 +416,11 @@ bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 #else
 template <int64_t F, int R>
 inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m, int64_t K, float* out) {
-  constexpr int64_t bb = F == kQ8_0 ? 34 : (F == kQ4_0 ? 18 : 20);
+  constexpr int64_t bb = kBlockBytes[F];
   float wf[32];
   for (int r = 0; r < R; ++r) out[r] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    dequant_block_scalar<F>(w + b * bb, wf);
+    decode_scalar<F>(w + b * bb, wf);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m + r) * nb + b;
       const int8_t* xq = a.q.data() + (m + r) * K + b * kBlock;
@@ -279,7 +436,7 @@ bool has_vnni() { return false; }
 
 template <int64_t F>
 void linear_q8_impl(const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(F);
+  const int64_t nb = K / kBlock, row_bytes = nb * kBlockBytes[F];
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
     float out[4];
     for (int64_t m = 0; m < M; m += 4) {
@@ -304,13 +461,15 @@ void by_format(int64_t fmt, Fn&& fn) {
     case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
     case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); break;
     default: TORCH_CHECK(false, "unknown block format ", fmt);
   }
 }
 
 // ---- the ops -------------------------------------------------------------------------------------
 
-// x [M, K] float32 contiguous, w [N, K / 32 * block bytes] uint8 -> y [M, N] float32.
+// x [M, K] float32 contiguous, w [N, K / block weights * block bytes] uint8 -> y [M, N] float32.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -324,6 +483,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "linear_q8 reads Q8_0, Q4_0 and Q4_1 blocks only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, fmt, K);
 #if defined(CPU_CAPABILITY_AVX512)
@@ -332,7 +492,9 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   auto y = at::empty({M, N}, x.options());
   const Q8Rows a = quantize_rows(x.data_ptr<float>(), M, K);
   by_format(fmt, [&](auto F) {
-    linear_q8_impl<decltype(F)::value>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+    if constexpr (kBlockWeights[decltype(F)::value] == kBlock) {
+      linear_q8_impl<decltype(F)::value>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+    }
   });
   return y;
 }
@@ -341,20 +503,20 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
 at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   check_weight(w, fmt, K);
   const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  const int64_t N = w.size(0), nb = K / kBlock, bb = block_bytes(fmt);
+  const int64_t N = w.size(0), bw = kBlockWeights[fmt], bb = kBlockBytes[fmt], nb = K / bw;
   auto out = at::empty({N, K}, w.options().dtype(dtype));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   by_format(fmt, [&](auto F) {
     at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-      float buf[32];
+      float buf[256];
       for (int64_t n = n0; n < n1; ++n) {
         for (int64_t b = 0; b < nb; ++b) {
-          dequant_block_scalar<decltype(F)::value>(wp + n * nb * bb + b * bb, buf);
+          decode_floats<decltype(F)::value>(wp + n * nb * bb + b * bb, buf);
           if (dtype == at::kFloat) {
-            std::memcpy(out.data_ptr<float>() + n * K + b * kBlock, buf, sizeof(buf));
+            std::memcpy(out.data_ptr<float>() + n * K + b * bw, buf, bw * sizeof(float));
           } else {
-            c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + n * K + b * kBlock;
-            for (int i = 0; i < 32; ++i) o[i] = c10::BFloat16(buf[i]);
+            c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + n * K + b * bw;
+            for (int64_t i = 0; i < bw; ++i) o[i] = c10::BFloat16(buf[i]);
           }
         }
       }

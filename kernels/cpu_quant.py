@@ -1,28 +1,40 @@
 """Matmuls on GGUF block-quantized weights on the CPU: kernels/cpu_quant.cpp (built on first use
 by kernels/cpu_build.load_quant) behind one call, linear(x, blocks, fmt, bias).
 
-A weight is its GGUF rows as stored: uint8 [N, K / 32 * block bytes], blocks of 32 weights in
-order along each row (the C++ file gives each format's block layout). Which kernel runs, by the
-number of activation rows M (measured on the 2-core AVX-512 machine, benchmarks/quant/):
+A weight is its GGUF rows as stored: uint8 [N, K / block weights * block bytes], blocks in order
+along each row (blocks of 32 weights for Q8_0/Q4_0/Q4_1, super-blocks of 256 for Q4_K/Q6_K; the
+C++ file gives each format's block layout). Which kernel runs, by the number of activation rows M
+(measured on the 2-core AVX-512 machine, benchmarks/quant/):
   M <= DEQUANT_GEMM_ROWS   linear_f32: each block dequantized to float in registers and FMA'd
                            against up to 4 rows at once; exact float math, so it agrees with the
                            dequantize-then-matmul reference to summation order.
   M >  DEQUANT_GEMM_ROWS   the whole weight dequantized to the activations' dtype, then F.linear
                            (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
 linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI, as
-llama.cpp does) is built and tested but not chosen: see benchmarks/quant/README.md.
+llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
+benchmarks/quant/README.md.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_build import load_quant
 
-# The block formats the C++ kernels read, by GGUF type name -> (kernel id, bytes per block of 32).
-FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
-BLOCK_SIZE = 32
+
+class KernelFormat(NamedTuple):
+    id: int  # the C++ Format enum
+    block_weights: int
+    block_bytes: int
+
+
+# The block formats the C++ kernels read, by GGUF type name.
+FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4_1": KernelFormat(2, 32, 20),
+           "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210)}
+Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # the formats linear_q8 reads
 # Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
 DEQUANT_GEMM_ROWS = 16
 
@@ -30,11 +42,12 @@ DEQUANT_GEMM_ROWS = 16
 def _check(blocks: torch.Tensor, fmt: str) -> int:
     if fmt not in FORMATS:
         raise ValueError(f"block format {fmt!r} has no CPU kernel; supported: {sorted(FORMATS)}")
-    return FORMATS[fmt][0]
+    return FORMATS[fmt].id
 
 
 def in_features(blocks: torch.Tensor, fmt: str) -> int:
-    return blocks.shape[1] // FORMATS[fmt][1] * BLOCK_SIZE
+    f = FORMATS[fmt]
+    return blocks.shape[1] // f.block_bytes * f.block_weights
 
 
 def dequantize(blocks: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -59,6 +72,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
 def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """llama.cpp's scheme: x quantized to int8 per 32-block, integer dot products (VNNI); float32
     [M, N]. Not on the engine's path (see the module docstring); kept for measurement."""
+    if fmt not in Q8_FORMATS:
+        raise ValueError(f"linear_q8 reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
     return load_quant().linear_q8(x.float().contiguous(), blocks, _check(blocks, fmt))
 
 

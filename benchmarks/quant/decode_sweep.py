@@ -31,10 +31,10 @@ def main() -> None:
     packed = [cpu_ops.pack_linear_weight(torch.from_numpy(m).bfloat16()) for m in mats]
     xs = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
     paths = {
-        "native_f32_regs": lambda: [cpu_quant.linear(xs[b.shape[1] // cpu_quant.FORMATS[args.format][1] * 32], b,
-                                                     args.format) for b in blocks],
-        "native_q8_vnni": lambda: [cpu_quant.linear_q8(xs[b.shape[1] // cpu_quant.FORMATS[args.format][1] * 32], b,
-                                                       args.format) for b in blocks],
+        "native_f32_regs": lambda: [cpu_quant.linear(xs[cpu_quant.in_features(b, args.format)], b, args.format)
+                                    for b in blocks],
+        "native_q8_vnni": lambda: [cpu_quant.linear_q8(xs[cpu_quant.in_features(b, args.format)], b, args.format)
+                                   for b in blocks],
         "bf16_onednn_packed": lambda: [cpu_ops.linear(xs[m.shape[1]], p, None) for m, p in zip(mats, packed)],
     }
     times = {name: [] for name in paths}

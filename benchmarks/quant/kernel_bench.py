@@ -1,5 +1,6 @@
 """Time the quantized CPU matmul paths on SmolLM2-135M's projection shapes against the bf16/fp32
-F.linear they replace. python benchmarks/quant/kernel_bench.py [--rows 1 4 16 64 512]"""
+F.linear they replace. From the repository root (it imports tests/kernels/gguf_blocks.py):
+python -m benchmarks.quant.kernel_bench [--rows 1 4 16 64 512] [--formats Q4_1 Q4_K]"""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from kernels import cpu_quant
+from tests.kernels.gguf_blocks import quantize  # gguf.quants.quantize, plus the K-quants it cannot write
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576), "lm_head": (49152, 576)}
 
@@ -42,14 +42,15 @@ def main() -> None:
         w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32)
         w_bf16 = torch.from_numpy(w).bfloat16()
         for fmt in args.formats:
-            blocks = torch.from_numpy(quantize(w, GGMLQuantizationType[fmt]).copy())
-            kid = cpu_quant.FORMATS[fmt][0]
+            blocks = torch.from_numpy(quantize(w, fmt).copy())
+            kid = cpu_quant.FORMATS[fmt].id
             for m in args.rows:
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
                 row = {"shape": shape, "N": n, "K": k, "format": fmt, "M": m, "load": os.getloadavg()[0]}
                 row["f32_regs_ms"] = best_ms(lambda: cpu_quant.load_quant().linear_f32(x, blocks, kid), args.reps)
-                row["q8_vnni_ms"] = best_ms(lambda: cpu_quant.linear_q8(x, blocks, fmt), args.reps)
+                if fmt in cpu_quant.Q8_FORMATS:
+                    row["q8_vnni_ms"] = best_ms(lambda: cpu_quant.linear_q8(x, blocks, fmt), args.reps)
                 row["dequant_bf16_gemm_ms"] = best_ms(
                     lambda: F.linear(xb, cpu_quant.dequantize(blocks, fmt, torch.bfloat16)), args.reps)
                 row["bf16_linear_ms"] = best_ms(lambda: F.linear(xb, w_bf16), args.reps)

@@ -1,8 +1,10 @@
 """GGUF's block-quantized weight formats: how a weight is stored and the matmul that consumes it.
 
-A quantized weight [N, K] is kept exactly as the GGUF file stores it: uint8 [N, K / 32 * block
-bytes], each row its K / 32 blocks in order, each block a scale (and a min) in fp16 followed by
-its 32 quantized weights (kernels/cpu_quant.cpp draws each layout). Rows are independent, so a
+A quantized weight [N, K] is kept exactly as the GGUF file stores it: uint8 [N, K / block_size *
+block_bytes], each row its blocks in order. Q8_0, Q4_0 and Q4_1 blocks hold 32 weights: a scale
+(and a min) in fp16, then the quantized weights. The K-quants Q4_K and Q6_K hold 256 (a
+super-block): sub-blocks of 32 (Q4_K) or 16 (Q6_K) weights with their own small integer scales,
+under one fp16 scale (kernels/cpu_quant.cpp draws each layout). Rows are independent, so a
 tensor-parallel shard of output rows is a slice of rows, and one of input columns a slice of
 whole blocks.
 
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SIZE = 32  # weights per block in every format here (Q8_0, Q4_0, Q4_1)
+BLOCK_SIZE = 32  # weights per block of Q8_0, Q4_0 and Q4_1 (and per Q4_K sub-block)
+QK_K = 256  # weights per K-quant super-block (Q4_K, Q6_K)
 # GGUF float types: loaded as today, dequantized (converted) to the model's dtype.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -49,18 +52,52 @@ def _dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
     return _half(b, 0) * _nibbles(b[..., 4:]).float() + _half(b, 2)
 
 
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """[..., nb, 144] -> [..., nb, 256]: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for the
+    8 sub-blocks of 32, then 128 bytes of nibbles (bytes 32c.. hold sub-block 2c low, 2c + 1 high)."""
+    s0, s1, s2 = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    # Sub-blocks 0..3 keep their 6 bits in bytes 0..3 (scales) and 4..7 (mins); 4..7 take their low
+    # 4 bits from bytes 8..11's nibbles and their top 2 from the spare top bits of bytes 0..7.
+    scales = torch.cat([s0 & 63, (s2 & 0x0F) | ((s0 >> 6) << 4)], dim=-1).float()
+    mins = torch.cat([s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4)], dim=-1).float()
+    qs = b[..., 16:].unflatten(-1, (4, 1, 32))
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).flatten(-3, -2).float()  # [..., nb, 8, 32]
+    d = (_half(b, 0) * scales).unsqueeze(-1)
+    dm = (_half(b, 2) * mins).unsqueeze(-1)
+    return (d * q - dm).flatten(-2)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """[..., nb, 210] -> [..., nb, 256]: 128 bytes of low nibbles, 64 bytes of 2-bit high parts,
+    16 int8 scales (one per 16 weights), fp16 d; each half of 128 weights reads 64 / 32 of the bytes."""
+    ql = b[..., :128].unflatten(-1, (2, 1, 64))
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).flatten(-2)  # [..., nb, 2, 128]
+    qh = b[..., 128:192].unflatten(-1, (2, 1, 32))
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).flatten(-2)
+    q = ((low | (high << 4)).float() - 32).unflatten(-1, (8, 16)).flatten(-3, -2)  # [..., nb, 16, 16]
+    d = (_half(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
+    return (d * q).flatten(-2)
+
+
 @dataclass(frozen=True)
 class BlockFormat:
-    """One GGUF block format: its name (the GGUF type name), its block's bytes, its dequantization."""
+    """One GGUF block format: its name (the GGUF type name), its block's weights and bytes, its
+    dequantization."""
 
     name: str
     block_bytes: int
-    _dequantize: object  # (blocks [..., nb, block_bytes] uint8) -> float32 [..., nb, 32]
+    _dequantize: object  # (blocks [..., nb, block_bytes] uint8) -> float32 [..., nb, block_size]
 
     block_size: int = BLOCK_SIZE
 
+    @property
+    def block_name(self) -> str:
+        """What the format's unit of whole weights is called: K-quants' 256 are a super-block."""
+        return "super-block" if self.block_size == QK_K else "block"
+
     def row_bytes(self, in_features: int) -> int:
-        assert in_features % self.block_size == 0, f"{in_features} inputs are not whole blocks of {self.block_size}"
+        assert in_features % self.block_size == 0, \
+            f"{in_features} inputs are not whole {self.block_name}s of {self.block_size}"
         return in_features // self.block_size * self.block_bytes
 
     def in_features(self, row_bytes: int) -> int:
@@ -88,6 +125,8 @@ FORMATS = {f.name: f for f in (
     BlockFormat("Q8_0", 34, _dequantize_q8_0),
     BlockFormat("Q4_0", 18, _dequantize_q4_0),
     BlockFormat("Q4_1", 20, _dequantize_q4_1),
+    BlockFormat("Q4_K", 144, _dequantize_q4_k, QK_K),
+    BlockFormat("Q6_K", 210, _dequantize_q6_k, QK_K),
 )}
 
 _cpu = []  # [module or None], filled on the first cpu-backend matmul

@@ -1,6 +1,7 @@
 """QuantizedTensor: a checkpoint tensor handed over as stored (GGUF blocks), for a layer that keeps
-it quantized. Its narrow() takes rows, or whole blocks of columns, so a layer's weight_loader
-slices its tensor-parallel shard the same way for a float tensor and a quantized one."""
+it quantized. Its narrow() takes rows, or columns in whole blocks (K-quants: super-blocks of 256),
+so a layer's weight_loader slices its tensor-parallel shard the same way for a float tensor and a
+quantized one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from engine.quant.formats import BlockFormat
 
 @dataclass
 class QuantizedTensor:
-    blocks: torch.Tensor  # uint8 [rows, in_features / 32 * block bytes]
+    blocks: torch.Tensor  # uint8 [rows, in_features / block_size * block_bytes]
     format: BlockFormat
 
     @property
@@ -26,9 +27,9 @@ class QuantizedTensor:
         assert dim == 1, "a quantized weight is 2-D"
         bs = self.format.block_size
         if start % bs or length % bs:
-            raise ValueError(f"a {self.format.name} weight splits only on whole blocks of {bs} inputs; columns "
-                             f"{start}..{start + length} are not (use a tensor-parallel size that divides "
-                             f"in_features / {bs}, or load the GGUF dequantized)")
+            raise ValueError(f"a {self.format.name} weight splits only on whole {self.format.block_name}s of {bs} "
+                             f"inputs; columns {start}..{start + length} are not (use a tensor-parallel size "
+                             f"that divides in_features / {bs}, or load the GGUF dequantized)")
         bb = self.format.block_bytes
         return QuantizedTensor(self.blocks.narrow(1, start // bs * bb, length // bs * bb), self.format)
 

@@ -1,8 +1,9 @@
 """GGUF weights served as stored (engine/quant + kernels/cpu_quant.cpp) against the same weights
 served dequantized to float, the path every GGUF took before: a tiny random model written to
-GGUF with gguf's writer, its matrices quantized with gguf.quants.quantize. The dequantized twin
-is a float32 GGUF holding gguf.quants.dequantize of those very blocks, which is exactly what the
-dequantizing path loads from the quantized file."""
+GGUF with gguf's writer, its matrices quantized with gguf.quants.quantize (Q4_K and Q6_K, which
+gguf cannot quantize: tests/kernels/gguf_blocks.py). The dequantized twin is the same file loaded
+with gguf_weights="dequantize", or a float32 GGUF holding gguf.quants.dequantize of those very
+blocks, which is exactly what the dequantizing path loads from the quantized file."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from engine.loader import checkpoint_tensors, load_weights, resolve_model
+from tests.kernels.gguf_blocks import quantize
 from tests.tiny_model import build_tiny_model
 
 PROMPTS = [[5, 9, 33, 100, 7], list(range(3, 60)), [77], [200, 201, 202, 203] * 5, [11, 300, 12, 301],
@@ -53,7 +55,7 @@ def write_gguf(path, folder: str, arch: str, qtype: str | None, as_float: bool =
         kind = (override or {}).get(gguf_name, qtype)
         if data.ndim == 2 and kind is not None:
             qt = gguf.GGMLQuantizationType[kind]
-            blocks = quantize(np.ascontiguousarray(data), qt)
+            blocks = quantize(np.ascontiguousarray(data), kind)
             if as_float:
                 w.add_tensor(gguf_name, np.ascontiguousarray(dequantize(blocks, qt), dtype=np.float32))
             else:
@@ -109,12 +111,15 @@ def forced_agreement(path, folder: str, want: list[list[int]], **config) -> floa
 def tiny(tmp_path_factory):
     folders = {}
 
-    def get(arch: str) -> str:
-        if arch not in folders:
+    def get(arch: str, wide: bool = False) -> str:
+        """wide: hidden 256, intermediate 512, so every matrix's rows are whole K-quant super-blocks."""
+        if (arch, wide) not in folders:
             overrides = {"llama": dict(num_attention_heads=4, num_key_value_heads=2),
                          "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)}[arch]
-            folders[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), model_type=arch, **overrides)
-        return folders[arch]
+            if wide:
+                overrides.update(hidden_size=256, intermediate_size=512)
+            folders[arch, wide] = build_tiny_model(tmp_path_factory.mktemp(arch), model_type=arch, **overrides)
+        return folders[arch, wide]
 
     return get
 
@@ -134,6 +139,46 @@ def test_native_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtyp
     # bfloat16: the float path rounds the weights to bfloat16, the kernels do not; one flipped token
     # sends two free-running streams apart, so compare each position on the same prefix.
     assert forced_agreement(native, folder, greedy(floats, folder, dtype="bfloat16"), dtype="bfloat16") >= 0.95
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_native_k_quant_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtype):
+    """K-quants (super-blocks of 256) served as stored give the tokens of the same file loaded with
+    gguf_weights="dequantize"."""
+    folder = tiny(arch, wide=True)
+    path = tmp_path / f"{qtype}.gguf"
+    write_gguf(path, folder, arch, qtype)
+    model = _loaded(path)
+    assert model.model.layers["1"].mlp.down_proj.quant_format.name == qtype
+    want = greedy(path, folder, dtype="float32", gguf_weights="dequantize")
+    # float32: the kernels differ from the float matmul in summation order only.
+    assert greedy(path, folder, dtype="float32") == want
+    assert greedy(path, folder, dtype="float32", attention_backend="torch") == want
+    # bfloat16: the float path rounds the weights to bfloat16, the kernels do not (see above).
+    want_bf16 = greedy(path, folder, dtype="bfloat16", gguf_weights="dequantize")
+    assert forced_agreement(path, folder, want_bf16, dtype="bfloat16") >= 0.95
+
+
+def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
+    """llama.cpp's Q4_K_M recipe mixes Q4_K and Q6_K tensors: each layer whose tensors share one
+    type keeps it; a merged layer whose parts differ (here layer 0's q/k Q4_K, v Q6_K) and the LM
+    head (float today) are served from float weights, said so in the log; the tokens are the
+    dequantized file's."""
+    folder = tiny("llama", wide=True)
+    path = tmp_path / "q4_k_m.gguf"
+    six = {"output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}
+    write_gguf(path, folder, "llama", "Q4_K", override=dict.fromkeys(six, "Q6_K"))
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        model = _loaded(path)
+    layers = model.model.layers
+    assert layers["0"].self_attn.qkv_proj.quant_format is None
+    assert "blk.0.attn_q.weight (Q4_K, its layer mixes types)" in caplog.text
+    assert layers["1"].self_attn.qkv_proj.quant_format.name == "Q4_K"
+    assert layers["0"].mlp.gate_up_proj.quant_format.name == "Q4_K"
+    assert layers["1"].mlp.down_proj.quant_format.name == "Q6_K"
+    assert "output.weight (Q6_K, its parameter keeps float weights)" in caplog.text
+    assert greedy(path, folder, dtype="float32") == greedy(path, folder, dtype="float32", gguf_weights="dequantize")
 
 
 def _loaded(path, gguf_weights: str = "native"):
@@ -177,8 +222,8 @@ def test_mixed_types_in_one_layer_are_dequantized_with_a_log_line(tmp_path, tiny
 
 
 def test_a_type_without_a_native_kernel_is_dequantized_and_said_so(tmp_path, tiny, caplog):
-    """Q5_0 (K-quants likewise) has no kernel here yet: that layer is served from float weights,
-    as every GGUF was before, with a warning naming the tensor; the others stay blocks."""
+    """Q5_0 (and Q5_K, ...) has no kernel here yet: that layer is served from float weights, as
+    every GGUF was before, with a warning naming the tensor; the others stay blocks."""
     folder = tiny("llama")
     path = tmp_path / "q5.gguf"
     write_gguf(path, folder, "llama", "Q4_0", override={"blk.1.ffn_down.weight": "Q5_0"})

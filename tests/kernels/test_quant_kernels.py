@@ -3,24 +3,51 @@ gguf.quants.dequantize, then a float64 matmul."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from engine.quant import FORMATS, QuantizedTensor, reference_linear
 from kernels import cpu_build, cpu_quant
+from tests.kernels.gguf_blocks import quantize
 
 FORMAT_NAMES = sorted(FORMATS)
+# Byte ranges of each format's fp16 scales/mins: random blocks get finite values there.
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def _k(fmt: str, blocks: int) -> int:
+    """in_features of `blocks` whole blocks (K-quants: super-blocks of 256)."""
+    return blocks * FORMATS[fmt].block_size
 
 
 def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(GGUF blocks uint8 [n, row bytes], their dequantized float32 [n, k]) of a random matrix."""
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
     w[: n // 2] *= 0.01  # rows of small scales too: fp16 scales near their subnormal range
-    blocks = quantize(w, GGMLQuantizationType[fmt])
+    blocks = quantize(w, fmt)
     return torch.from_numpy(blocks.copy()), torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).copy())
+
+
+def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like _weight, but every byte random (each bit of every packed field set both ways) save the
+    fp16 fields, which hold random finite values (normal and subnormal)."""
+    rng = np.random.default_rng(seed)
+    f = FORMATS[fmt]
+    blocks = rng.integers(0, 256, (n, k // f.block_size, f.block_bytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[fmt]:
+        magnitude = 10.0 ** rng.integers(-7, 0, blocks.shape[:2])
+        half = (rng.standard_normal(blocks.shape[:2]) * magnitude).astype(np.float16)
+        blocks[..., offset:offset + 2] = half.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    blocks = blocks.reshape(n, -1)
+    return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).copy())
 
 
 def _cpu_kernels_or_skip():
@@ -33,17 +60,37 @@ def _cpu_kernels_or_skip():
         pytest.skip(f"quantized CPU kernels unavailable: {error}")
 
 
+def test_formats_agree_with_gguf_and_the_cpu_kernels():
+    """One block size and byte count per format: engine.quant's, the C++ kernels' and GGUF's."""
+    assert set(cpu_quant.FORMATS) == set(FORMATS)
+    for name, f in FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (f.block_size, f.block_bytes), name
+        assert cpu_quant.FORMATS[name][1:] == (f.block_size, f.block_bytes), name
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_k_quant_test_blocks_are_what_gguf_reads(fmt):
+    """The test quantizer (gguf.quants cannot quantize K-quants) writes the layout gguf reads: its
+    blocks dequantize, by gguf, to the weights within the format's rounding."""
+    w = np.random.default_rng(3).standard_normal((4, 512), dtype=np.float32)
+    got = dequantize(quantize(w, fmt), GGMLQuantizationType[fmt])
+    rel_rms = np.sqrt(((got - w) ** 2).mean() / (w ** 2).mean())
+    assert rel_rms < {"Q4_K": 0.1, "Q6_K": 0.025}[fmt]
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_torch_dequantize_is_gguf_bit_for_bit(fmt):
-    blocks, want = _weight(fmt, 7, 96)
+@pytest.mark.parametrize("make", [_weight, _random_blocks])
+def test_torch_dequantize_is_gguf_bit_for_bit(fmt, make):
+    blocks, want = make(fmt, 7, _k(fmt, 3))
     got = FORMATS[fmt].dequantize(blocks)
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_cpu_dequantize_matches_gguf(fmt):
+@pytest.mark.parametrize("make", [_weight, _random_blocks])
+def test_cpu_dequantize_matches_gguf(fmt, make):
     _cpu_kernels_or_skip()
-    blocks, want = _weight(fmt, 19, 160)
+    blocks, want = make(fmt, 19, _k(fmt, 5))
     assert torch.equal(cpu_quant.dequantize(blocks, fmt), want)
     assert torch.equal(cpu_quant.dequantize(blocks, fmt, torch.bfloat16), want.bfloat16())
 
@@ -53,15 +100,20 @@ def _tolerance(x: torch.Tensor, w: torch.Tensor, rel: float) -> torch.Tensor:
     return rel * (x.abs().double() @ w.abs().double().T) + 1e-6
 
 
+# Activation rows: each remainder of the kernel's groups of 4 (1..5), its most (DEQUANT_GEMM_ROWS:
+# four groups over each tile of weight rows), and above it (the dequantize-then-GEMM path).
+ROWS = (1, 2, 3, 4, 5, cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1, 64)
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [32, 96, 608])
-def test_cpu_linear_matches_dequantized_reference(fmt, dtype, k):
+@pytest.mark.parametrize("nblocks", [1, 3, 19])
+def test_cpu_linear_matches_dequantized_reference(fmt, dtype, nblocks):
     _cpu_kernels_or_skip()
-    n = 37  # odd: a partial last work item of output rows
+    n, k = 37, _k(fmt, nblocks)  # n odd: a partial last work item of output rows
     blocks, w = _weight(fmt, n, k, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for m in (1, 3, 17, 64):  # decode, the register kernel's row groups, and the dequantize-then-GEMM path
+    for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         got = cpu_quant.linear(x, blocks, fmt, bias)
         want = x.double() @ w.double().T + bias.double()
@@ -74,12 +126,13 @@ def test_cpu_linear_matches_dequantized_reference(fmt, dtype, k):
 
 def test_cpu_linear_takes_leading_dims():
     _cpu_kernels_or_skip()
-    blocks, w = _weight("Q4_1", 5, 64)
-    x = torch.randn(2, 3, 64)
-    torch.testing.assert_close(cpu_quant.linear(x, blocks, "Q4_1"), x @ w.T, rtol=1e-5, atol=1e-5)
+    for fmt in ("Q4_1", "Q6_K"):
+        blocks, w = _weight(fmt, 5, _k(fmt, 2))
+        x = torch.randn(2, 3, w.shape[1])
+        torch.testing.assert_close(cpu_quant.linear(x, blocks, fmt), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("fmt", cpu_quant.Q8_FORMATS)
 def test_q8_activation_kernel_within_int8_rounding(fmt):
     """linear_q8 (int8 activations per block, integer dots) is off by the activations' rounding
     only: at most half a quantization step (block amax / 127 / 2) per activation."""
@@ -99,13 +152,19 @@ def test_cpu_linear_rejects_a_misshapen_weight():
         cpu_quant.linear(torch.randn(1, 96), blocks, "Q8_0")
     with pytest.raises(ValueError, match="supported"):
         cpu_quant.linear(torch.randn(1, 64), blocks, "Q5_0")
+    k_blocks, _ = _weight("Q4_K", 4, 256)
+    with pytest.raises(RuntimeError, match="block of 256"):
+        cpu_quant.linear(torch.randn(1, 288), k_blocks, "Q4_K")
+    with pytest.raises(ValueError, match="linear_q8 reads"):
+        cpu_quant.linear_q8(torch.randn(1, 256), k_blocks, "Q4_K")
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_format_linear_per_backend(fmt):
     """The torch backend's matmul is the reference itself; the cpu backend's agrees with it."""
-    blocks, w = _weight(fmt, 9, 64)
-    x = torch.randn(2, 64)
+    k = _k(fmt, 2)
+    blocks, w = _weight(fmt, 9, k)
+    x = torch.randn(2, k)
     torch.testing.assert_close(FORMATS[fmt].linear(x, blocks, None, "torch"), x @ w.T, rtol=0, atol=0)
     torch.testing.assert_close(reference_linear(x, blocks, FORMATS[fmt]), x @ w.T, rtol=0, atol=0)
     torch.testing.assert_close(FORMATS[fmt].linear(x, blocks, None, "cpu"), x @ w.T, rtol=1e-5, atol=1e-5)
@@ -113,10 +172,41 @@ def test_format_linear_per_backend(fmt):
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_quantized_tensor_narrows_on_whole_blocks(fmt):
-    blocks, w = _weight(fmt, 6, 128)
+    bs = FORMATS[fmt].block_size
+    blocks, w = _weight(fmt, 6, 4 * bs)
     t = QuantizedTensor(blocks, FORMATS[fmt])
-    assert t.shape == (6, 128)
+    assert t.shape == (6, 4 * bs)
     assert torch.equal(t.narrow(0, 2, 3).dequantize(), w[2:5])
-    assert torch.equal(t.narrow(1, 64, 64).dequantize(), w[:, 64:])
-    with pytest.raises(ValueError, match="whole blocks"):
-        t.narrow(1, 16, 64)
+    assert torch.equal(t.narrow(1, 2 * bs, 2 * bs).dequantize(), w[:, 2 * bs:])
+    unit = "super-blocks of 256" if bs == 256 else "blocks of 32"
+    with pytest.raises(ValueError, match=f"whole {unit}"):
+        t.narrow(1, 32 if bs == 256 else 16, 2 * bs)
+
+
+# The portable path (no AVX-512): the same checks in a process whose torch reports no vector ISA,
+# so kernels/cpu_build.py compiles cpu_quant.cpp without it (a build of its own, ~1 min).
+_PORTABLE_CHECK = """
+import torch
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+from tests.kernels import test_quant_kernels as t
+from kernels import cpu_quant
+for fmt in t.FORMAT_NAMES:
+    blocks, w = t._random_blocks(fmt, 19, t._k(fmt, 3))
+    assert torch.equal(cpu_quant.dequantize(blocks, fmt), w), fmt
+    blocks, w = t._weight(fmt, 37, t._k(fmt, 3))
+    for m in t.ROWS:
+        x = torch.randn(m, w.shape[1])
+        err = (cpu_quant.linear(x, blocks, fmt).double() - x.double() @ w.double().T).abs()
+        assert (err <= t._tolerance(x, w, 1e-5)).all(), (fmt, m)
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+def test_portable_path_matches_dequantized_reference():
+    _cpu_kernels_or_skip()
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "portable ok" in out.stdout, out.stderr[-3000:]
