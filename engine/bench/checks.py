@@ -1,4 +1,4 @@
-"""What `engine bench` checks before any work: optional packages and the vLLM interpreter.
+"""What `engine bench` checks before any work: optional packages, the vLLM interpreter, llama.cpp.
 
 A failure is one line on stderr, with the command that fixes it, and exit status 2, before a
 tokenizer is loaded, a request drawn or a server started.
@@ -68,13 +68,33 @@ def check_vllm(vllm_python: str | None) -> None:
              "or pass --vllm-python /path/to/venv-vllm/bin/python")
 
 
+def check_llamacpp(args, server: bool) -> None:
+    """The llama-server binary (server) or the llama_cpp module exists, and a GGUF file to run."""
+    from engine.bench.backends import llamacpp
+    from engine.default_model import USER_ERRORS
+
+    try:
+        if server:
+            llamacpp.find_server(args.llamacpp_server)
+        else:
+            llamacpp.require_llama_cpp()
+        llamacpp.resolve_gguf(args)
+    except (llamacpp.LlamaCppUnavailable, *USER_ERRORS) as e:
+        fail(str(e))
+
+
 def check_environment(args) -> None:
     """Everything the run will need from outside this package, checked up front."""
     if args.bench_mode == "serve":
         require("httpx", "engine bench serve")
         if "vllm" in (args.launch or []):
             check_vllm(args.vllm_python)
-    elif "vllm" in args.backends:
-        check_vllm(args.vllm_python)
+        if "llamacpp" in (args.launch or []):
+            check_llamacpp(args, server=True)
+    else:
+        if "vllm" in args.backends:
+            check_vllm(args.vllm_python)
+        if "llamacpp" in args.backends:
+            check_llamacpp(args, server=False)
     if args.plot:
         require("matplotlib", "--plot")

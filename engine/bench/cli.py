@@ -18,7 +18,7 @@ from engine.bench.backends import BACKENDS
 from engine.bench.common import parse_servers
 
 DESCRIPTION = """\
-Benchmark pagewise against vLLM and Hugging Face transformers on identical requests.
+Benchmark pagewise against vLLM, llama.cpp and Hugging Face transformers on identical requests.
 
   throughput  offline: a set of requests through each backend; requests and tokens per second
   latency     offline: one batch, repeated; end-to-end time, time to first token, time per token
@@ -55,6 +55,11 @@ Warm-up iterations run first and are not reported: the request count is --num-it
 examples:
   engine bench latency --batch-size 8 --input-len 32 --output-len 128 --num-iters 10
   engine bench latency --compare engine,hf --batch-size 1
+  engine bench latency --compare engine,llamacpp --batch-size 1 --input-len 128 --output-len 128
+
+llamacpp: llama-cpp-python's Llama on the GGUF file of --model (--llamacpp-gguf), one sequence at
+a time (--batch-size 1), greedy, EOS ignored, the same --num-threads. Build it with
+benchmarks/llamacpp/build.sh (README, 'Benchmarks').
 """
 
 SERVE = """\
@@ -68,7 +73,12 @@ launched `engine serve` gets every engine flag given here, a launched vLLM the o
 examples:
   engine bench serve --base-url http://127.0.0.1:8000 --request-rate 4 --num-prompts 200
   engine bench serve --launch engine,vllm --vllm-python /path/to/venv-vllm/bin/python --max-concurrency 1,8,32
+  engine bench serve --launch engine,llamacpp --llamacpp-server /opt/llamacpp/bin/llama-server --max-concurrency 8,32
   engine bench serve --backend openai-chat --dataset-name random --random-input-len 256 --save-result
+
+--launch llamacpp starts llama.cpp's llama-server on the GGUF file of --model (--llamacpp-gguf) with
+continuous batching, as many slots as the highest --max-concurrency (at most --max-num-seqs), each
+slot the context of the longest request (or --max-model-len), and --num-threads threads.
 """
 
 # vLLM's names for the API a request goes to, and ours.
@@ -138,10 +148,17 @@ def _dataset(p: argparse.ArgumentParser, num_prompts: int, input_len: int, outpu
                    help="sharegpt: this output length for every request (default: the reply's length in the file)")
 
 
+def _llamacpp_gguf(g) -> None:
+    g.add_argument("--llamacpp-gguf", default=None, metavar="GGUF",
+                   help="llamacpp: the GGUF file llama.cpp runs (default: --model when it is a .gguf file, the "
+                        "default model's Q4_1 file when --model is the default model)")
+
+
 def _offline(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backends")
     g.add_argument("--backend", default="engine", choices=BACKENDS,
-                   help="engine: pagewise; hf: transformers generate(); vllm: vllm.LLM")
+                   help="engine: pagewise; hf: transformers generate(); vllm: vllm.LLM; llamacpp: llama-cpp-python "
+                        "(latency only, --batch-size 1)")
     g.add_argument("--compare", default=None, metavar="B1,B2,...",
                    help="run these backends one after the other, each in its own process, on the same requests, "
                         "and compare them, e.g. engine,vllm,hf (default: --backend alone, in this process)")
@@ -152,6 +169,7 @@ def _offline(p: argparse.ArgumentParser) -> None:
                         "backend runs there (default: this Python)")
     g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="vllm: any other vllm.LLM keyword, VALUE as JSON or text (repeatable; default: none)")
+    _llamacpp_gguf(g)
     g.add_argument("--requests-file", default=None, help=argparse.SUPPRESS)  # set by the --compare parent
     g.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
 
@@ -162,7 +180,7 @@ def _serve(s: argparse.ArgumentParser, output: argparse._ArgumentGroup) -> None:
     where.add_argument("--base-url", default=None, metavar="URL",
                        help="a running server, e.g. http://127.0.0.1:8000 (pagewise's or `vllm serve`; "
                             "default: none, give --launch)")
-    where.add_argument("--launch", type=parse_servers, default=None, metavar="engine|vllm|engine,vllm",
+    where.add_argument("--launch", type=parse_servers, default=None, metavar="engine|vllm|llamacpp[,...]",
                        help="start this server (or each in turn) on 127.0.0.1 and a free port, measure it, stop it "
                             "(default: none, give --base-url)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -171,15 +189,24 @@ def _serve(s: argparse.ArgumentParser, output: argparse._ArgumentGroup) -> None:
                    help="bearer token sent with every request (default: $PAGEWISE_API_KEY, else $OPENAI_API_KEY, "
                         "else none)")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for launched servers, e.g. --server-arg=--max-waiting-requests=64; "
-                        "they run in the package's folder, so paths in it must be absolute (repeatable; "
-                        "default: none)")
+                   help="one more argument for launched engine and vLLM servers, e.g. "
+                        "--server-arg=--max-waiting-requests=64; they run in the package's folder, so paths in it "
+                        "must be absolute (repeatable; default: none)")
     g.add_argument("--launch-timeout", type=float, default=900.0, metavar="S",
                    help="seconds a launched server may take to answer /health")
     g.add_argument("--server-log", default=None, metavar="PATH",
-                   help="launched server's log file; {server} becomes engine / vllm (default: a temporary file)")
+                   help="launched server's log file; {server} becomes engine / vllm / llamacpp (default: a "
+                        "temporary file)")
     g.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="--launch vllm: the interpreter where vLLM is installed (default: this Python)")
+    g.add_argument("--llamacpp-server", default=None, metavar="PATH",
+                   help="--launch llamacpp: llama.cpp's llama-server binary (default: $LLAMACPP_SERVER, else "
+                        "llama-server on PATH, else what benchmarks/llamacpp/build.sh built in /opt/llamacpp or "
+                        "~/.cache/pagewise/llamacpp)")
+    _llamacpp_gguf(g)
+    g.add_argument("--llamacpp-server-arg", action="append", default=[], metavar="ARG",
+                   help="--launch llamacpp: one more argument for llama-server, e.g. --llamacpp-server-arg=--no-mmap "
+                        "(repeatable; --server-arg goes to the other servers only; default: none)")
 
     g = s.add_argument_group("requests and load")
     # One setting, two spellings: the default comes from --endpoint (SUPPRESS: none here).

@@ -37,8 +37,9 @@ def parse_concurrency_levels(text: str | None) -> list[int | None]:
 def parse_servers(text: str) -> list[str]:
     """--launch "engine,vllm" -> ["engine", "vllm"]."""
     names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names or any(n not in ("engine", "vllm") for n in names):
-        raise argparse.ArgumentTypeError(f"--launch takes engine, vllm or engine,vllm; got {text!r}")
+    if not names or any(n not in ("engine", "vllm", "llamacpp") for n in names):
+        raise argparse.ArgumentTypeError(f"--launch takes engine, vllm, llamacpp or a list like engine,llamacpp; "
+                                         f"got {text!r}")
     return names
 
 

@@ -52,6 +52,19 @@ def vllm_server_cmd(model: str, extra: list[str] | None = None, python: str | No
             "--model", model, "--host", "127.0.0.1", "--port", "{port}"] + list(extra or [])
 
 
+def llamacpp_server_cmd(server: str, gguf: str, threads: int, slots: int, slot_ctx: int,
+                        alias: str | None = None, extra: list[str] | None = None) -> list[str]:
+    """llama.cpp's `llama-server` on `gguf`: `slots` sequences decoded together (continuous
+    batching), each with `slot_ctx` tokens of context (-c is the total, split evenly between the
+    slots), `threads` threads for decode and prompt alike."""
+    cmd = [server, "--model", gguf, "--host", "127.0.0.1", "--port", "{port}",
+           "--threads", str(threads), "--threads-batch", str(threads),
+           "--parallel", str(slots), "--ctx-size", str(slots * slot_ctx), "--cont-batching"]
+    if alias:
+        cmd += ["--alias", alias]
+    return cmd + list(extra or [])
+
+
 def cli_flags(settings: dict) -> list[str]:
     """{"max_model_len": 128, "enable_prefix_caching": False} -> ["--max-model-len", "128",
     "--no-enable-prefix-caching"]: keyword settings as the flags of `engine serve` / `vllm serve`."""

@@ -1,4 +1,4 @@
-"""`engine bench serve`: for each server (a URL, or each of `--launch engine,vllm` in turn)
+"""`engine bench serve`: for each server (a URL, or each of `--launch engine,vllm,llamacpp` in turn)
 and each `--max-concurrency` level, one measured run of the same requests; one table.
 
 A launched server is started once, measured at every level, and stopped (its whole
@@ -13,6 +13,11 @@ import sys
 from engine.bench import report, serve
 from engine.bench.common import load_tokenizer, report_settings
 from engine.bench.datasets import build_requests
+
+# Launched servers that close a connection after each streamed response though they announce
+# keep-alive (llama-server: curl -v shows "Connection died, retrying"); the client opens a new one
+# per request for them, or 5-10% of requests fail on a reused connection.
+NO_KEEPALIVE = ("llamacpp",)
 
 # Engine flags a launched `engine serve` always gets, whatever their values: the bench resolves them.
 ALWAYS_PASSED = ("dtype", "seed", "num_threads", "kv_cache_memory")
@@ -32,8 +37,16 @@ def engine_server_settings(args) -> dict:
     return out
 
 
-def launch_cmd(args, which: str) -> tuple[list[str], dict]:
+def launch_cmd(args, which: str, requests=None) -> tuple[list[str], dict]:
     """The server command line (with "{port}") and extra environment for `which`."""
+    if which == "llamacpp":  # its own flags: --server-arg holds `engine serve` / `vllm serve` ones
+        from engine.bench.backends import llamacpp
+        from engine.bench.launch import llamacpp_server_cmd
+
+        return llamacpp_server_cmd(llamacpp.find_server(args.llamacpp_server), llamacpp.resolve_gguf(args),
+                                   args.num_threads, llamacpp.server_slots(args),
+                                   llamacpp.slot_context(args, requests), args.served_model_name,
+                                   args.llamacpp_server_arg), {}
     import torch
 
     from engine.bench.backends.vllm import cpu_env, vllm_engine_kwargs, warn_kv_env
@@ -76,7 +89,8 @@ def measure_levels(args, requests, tokenizer, base_url: str, server: str, levels
     runs = []
     for level in levels:
         print(f"\n--- {server}: {load_label(args, level)} ---", flush=True)
-        result = serve.run(args, requests, tokenizer, base_url, max_concurrency=level)
+        result = serve.run(args, requests, tokenizer, base_url, max_concurrency=level,
+                           keepalive=server not in NO_KEEPALIVE)
         m = result["metrics"]
         print(f"{' Serving Benchmark Result ':=^50}\n{server}, {load_label(args, level)}\n"
               + report.serve_summary(m, args.percentiles) + "\n" + "=" * 50, flush=True)
@@ -98,7 +112,7 @@ def run_serve(args) -> int:
     runs: list[dict] = []
     servers: dict[str, dict] = {}
     for which in args.launch or []:
-        cmd, env = launch_cmd(args, which)
+        cmd, env = launch_cmd(args, which, requests)
         log = None
         if args.server_log:
             log = args.server_log.replace("{server}", which)

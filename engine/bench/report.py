@@ -106,14 +106,16 @@ def latency_table(results: list[dict], percentiles: list[float]) -> str:
     rows = []
     for r in results:
         if "e2e" not in r:
-            rows.append([r["backend"], "failed: " + _first_line(r.get("error"))] + [None] * (len(percentiles) + 3))
+            rows.append([r["backend"], "failed: " + _first_line(r.get("error"))] + [None] * (len(percentiles) + 4))
             continue
         e, t, p = r["e2e"], r["ttft"], r["tpot"]
+        # Decode tok/s as llama.cpp users read it (llama-bench's tg): tokens of the batch per TPOT.
+        decode = r["batch_size"] * 1000.0 / p["mean_ms"] if p["mean_ms"] else None
         rows.append([r["backend"], e["mean_ms"], *(e[f"p{q:g}_ms"] for q in percentiles),
-                     t["mean_ms"], p["mean_ms"], r["startup_s"]])
+                     t["mean_ms"], p["mean_ms"], decode, r["startup_s"]])
     return table(
         ["backend", "e2e mean ms", *(f"e2e p{q:g} ms" for q in percentiles), "TTFT mean ms",
-         "TPOT mean ms", "start-up s"],
+         "TPOT mean ms", "decode tok/s", "start-up s"],
         rows,
     )
 

@@ -20,7 +20,7 @@ from engine.bench.checks import fail
 from engine.bench.common import load_tokenizer, parse_concurrency_levels, parse_kv, parse_percentiles, report_settings
 from engine.bench.datasets import build_requests, load_requests, random_requests
 
-OFFLINE_BACKENDS = ("engine", "hf", "vllm")
+OFFLINE_BACKENDS = ("engine", "hf", "vllm", "llamacpp")
 
 
 def resolve_model(model: str | None) -> str:
@@ -72,6 +72,9 @@ def validate(args) -> None:
     unknown = [b for b in args.backends if b not in OFFLINE_BACKENDS]
     if unknown or not args.backends:
         fail(f"--compare takes backends from {', '.join(OFFLINE_BACKENDS)}, e.g. engine,hf; got {args.compare!r}")
+    if "llamacpp" in args.backends and (args.bench_mode != "latency" or args.batch_size != 1):
+        fail("llamacpp (llama-cpp-python) decodes one sequence at a time: use it with `engine bench latency "
+             "--batch-size 1`; for llama.cpp's batched server use `engine bench serve --launch llamacpp`")
     if args.bench_mode == "latency":
         for flag, value, low in (("--batch-size", args.batch_size, 1), ("--input-len", args.input_len, 1),
                                  ("--output-len", args.output_len, 1), ("--num-iters", args.num_iters, 1),

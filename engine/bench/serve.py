@@ -51,13 +51,15 @@ def prompt_for(req: SampleRequest, fmt: str, endpoint: str, tokenizer):
 
 
 async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, model: str,
-                   max_concurrency: int | None) -> dict:
+                   max_concurrency: int | None, keepalive: bool = True) -> dict:
     import httpx
     from tqdm import tqdm
 
     url = api + ("/chat/completions" if args.endpoint == "chat" else "/completions")
     headers = auth_headers(args.api_key)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # keepalive=False: a fresh connection per request, for servers that close a connection after a
+    # streamed response while announcing keep-alive (llama-server), which fails the next request on it.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if keepalive else 0)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     extra = dict(args.extra_body or {})
 
@@ -120,13 +122,14 @@ async def resolve_model_name(args, api: str) -> str:
     return name or args.model or "default"
 
 
-def run(args, requests: list[SampleRequest], tokenizer, base_url: str, max_concurrency: int | None = None) -> dict:
+def run(args, requests: list[SampleRequest], tokenizer, base_url: str, max_concurrency: int | None = None,
+        keepalive: bool = True) -> dict:
     """One measured run at one load level against `base_url`."""
     _, api = base_urls(base_url)
 
     async def main():
         model = await resolve_model_name(args, api)
-        out = await run_load(args, requests, tokenizer, api, model, max_concurrency)
+        out = await run_load(args, requests, tokenizer, api, model, max_concurrency, keepalive)
         out["served_model_name"] = model
         return out
 

@@ -10,7 +10,7 @@ Every backend ignores EOS and generates exactly `output_len` tokens per request,
 
 from __future__ import annotations
 
-BACKENDS = ("engine", "hf", "vllm")
+BACKENDS = ("engine", "hf", "vllm", "llamacpp")
 
 
 def get_backend(name: str):
@@ -26,4 +26,8 @@ def get_backend(name: str):
         from engine.bench.backends.vllm import VLLMBackend
 
         return VLLMBackend
+    if name == "llamacpp":
+        from engine.bench.backends.llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend
     raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS}")
