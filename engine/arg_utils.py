@@ -11,8 +11,8 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_WEIGHTS, KV_CACHE_DTYPES, EngineConfig,
-                           canonical_dtype)
+from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_WEIGHTS, KV_CACHE_DTYPES, QUANTIZATION_GROUP_SIZES,
+                           QUANTIZATIONS, EngineConfig, canonical_dtype)
 
 # vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
 ALIASES = {
@@ -25,7 +25,8 @@ SERVING_ONLY = ("max_waiting_requests", "max_logprobs", "log_requests")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
-            "attention_backend": ATTENTION_BACKENDS, "gguf_weights": GGUF_WEIGHTS}
+            "attention_backend": ATTENTION_BACKENDS, "gguf_weights": GGUF_WEIGHTS, "quantization": QUANTIZATIONS,
+            "quantization_group_size": QUANTIZATION_GROUP_SIZES}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
           "tib": 1 << 40, "tb": 10**12}
 
@@ -107,8 +108,9 @@ def add_engine_arg(parser, name: str, aliases: tuple[str, ...] = (), **overrides
     if kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif name == "kv_cache_memory":
-        # A string default goes through `type` too, so the help shows "2GiB", not 2147483648.
-        kwargs.update(type=parse_bytes, default=format_bytes(default), metavar="SIZE")
+        kwargs.update(type=_optional(parse_bytes), metavar="SIZE")
+    elif name == "cuda_graph_sizes":
+        kwargs.update(type=int, nargs="+", metavar="N")  # vLLM's form: --cuda-graph-sizes 1 2 4 8
     elif name in ("dtype", "kv_cache_dtype"):
         kwargs.update(type=_dtype, choices=_CHOICES[name])
     else:

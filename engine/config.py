@@ -15,9 +15,14 @@ from dataclasses import dataclass, field, fields
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+CPU_KV_CACHE_MEMORY = 2 * GiB  # the KV budget on CPU when kv_cache_memory is not given
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GGUF_WEIGHTS = ("native", "dequantize")
+# --quantization: int8 / int4 quantize a float checkpoint at load (engine/quant/quantize.py); the
+# others are vLLM's method names for pre-quantized checkpoints (engine/quant/prequantized.py).
+QUANTIZATIONS = ("int8", "int4", "gptq", "awq", "compressed-tensors")
+QUANTIZATION_GROUP_SIZES = (32, 128)
 # The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
 # vLLM's "fp8" KV cache is e4m3; it also takes the explicit name.
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
@@ -64,6 +69,13 @@ class EngineConfig:
     gguf_weights: str = _knob("native", "a .gguf file's quantized linear weights: native (kept as the file's "
                                         "Q8_0 / Q4_0 / Q4_1 blocks, C++ kernels on CPU) or dequantize (to float "
                                         "at load, as before)")
+    quantization: str | None = _knob(None, "weight-only quantization: int8 (per-channel symmetric) or int4 "
+                                           "(asymmetric, groups of --quantization-group-size inputs) applied at load "
+                                           "to a float checkpoint, kept as GGUF Q8_0 / Q4_1 blocks; gptq, awq, "
+                                           "compressed-tensors: read a pre-quantized checkpoint as that method "
+                                           "(detected from config.json without the flag) (default: none)")
+    quantization_group_size: int = _knob(128, "--quantization int4: input channels sharing one scale and min, "
+                                              "32 or 128")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
                                "float/fp32 = float32; auto: bfloat16 on CUDA, float32 on CPU")
     kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype, or fp8 (= fp8_e4m3, vLLM's "
@@ -74,12 +86,20 @@ class EngineConfig:
     max_model_len: int | None = _knob(None, "context window in tokens, prompt and output together (default: the "
                                             "model's max_position_embeddings, lowered to what the KV cache holds)")
     block_size: int = _knob(16, "tokens per KV cache block")
-    # KV cache size: on CPU a fixed budget; on CUDA a fraction of the device minus the
-    # profiled peak of a forward pass. num_kv_blocks overrides both (tests, debugging).
-    kv_cache_memory: int = _knob(2 * GiB, "KV cache budget on CPU, in bytes or with a unit (512MiB, 4GiB, 4GB); "
-                                          "on CUDA --gpu-memory-utilization sizes the cache instead")
+    # KV cache size: kv_cache_memory if given (any device); else on CPU a fixed budget, on CUDA what
+    # gpu_memory_utilization leaves after weights, the profiled peak and the CUDA graphs (vLLM's
+    # rule). num_kv_blocks overrides them all (tests, debugging).
+    kv_cache_memory: int | None = _knob(None, "KV cache budget on any device, in bytes or with a unit (512MiB, 4GiB, "
+                                              "4GB) (default: 2GiB on CPU; on CUDA what --gpu-memory-utilization "
+                                              "leaves)")
     gpu_memory_utilization: float = _knob(0.90, "CUDA: the fraction of the GPU's memory the engine may use "
-                                                "(weights, activations and KV cache)")
+                                                "(weights, activations, CUDA graphs and KV cache)")
+    enforce_eager: bool = _knob(False, "CUDA: run every step eagerly, capturing no CUDA graphs (vLLM's flag); on "
+                                       "CPU, which never captures, accepted and a no-op")
+    cuda_graph_sizes: list[int] | None = _knob(None, "CUDA: decode batch sizes to capture graphs for (vLLM's flag): "
+                                                     "one value N means 1, 2, 4, 8, then every 8 up to N; several "
+                                                     "are the sizes themselves; clipped to --max-num-seqs (default: "
+                                                     "up to --max-num-seqs)")
     num_kv_blocks: int | None = _knob(None, "a fixed number of KV cache blocks, overriding both budgets "
                                             "(default: sized from the budget)")
     max_num_seqs: int = _knob(256, "most sequences running at once (one batch)")
@@ -123,9 +143,20 @@ class EngineConfig:
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         check(self.device in DEVICES, "device", f"one of {DEVICES}")
         check(self.gguf_weights in GGUF_WEIGHTS, "gguf_weights", f"one of {GGUF_WEIGHTS}")
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+              f"None or one of {QUANTIZATIONS}")
+        check(self.quantization_group_size in QUANTIZATION_GROUP_SIZES, "quantization_group_size",
+              f"one of {QUANTIZATION_GROUP_SIZES}")
+        check(self.quantization_group_size == 128 or self.quantization == "int4", "quantization_group_size",
+              "left at 128 unless quantization is 'int4' (only int4 quantizes in groups here)")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
-        check(self.kv_cache_memory > 0, "kv_cache_memory", "positive (bytes)")
+        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "None or positive (bytes)")
+        if self.cuda_graph_sizes is not None:
+            sizes = [self.cuda_graph_sizes] if isinstance(self.cuda_graph_sizes, int) else self.cuda_graph_sizes
+            check(len(sizes) > 0 and all(isinstance(n, int) and n >= 1 for n in sizes), "cuda_graph_sizes",
+                  "None or batch sizes >= 1")
+            self.cuda_graph_sizes = list(sizes)
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "None or >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")

@@ -1,19 +1,23 @@
 """ModelRunner: owns the weights, the KV cache tensors and its copy of every running stream;
-applies each step's SchedulerOutput to those copies, turns the batch into flat tensors, runs one
-forward pass, samples the whole batch at once and returns token ids (and the logprobs asked for),
-never logits. Under pipeline parallelism only the last stage computes logits and samples (its TP
-rank 0); the other ranks run their share of the forward and return None."""
+applies each step's SchedulerOutput to those copies, lays the batch out as flat rows in persistent
+buffers (engine/step_inputs.py: one non-blocking copy a step, the block tables kept on the device),
+runs one forward pass (a captured CUDA graph for decode steps, engine/cuda_graphs.py), samples the
+whole batch at once and returns token ids (and the logprobs asked for), never logits. Under
+pipeline parallelism only the last stage computes logits and samples (its TP rank 0); the other
+ranks run their share of the forward and return None."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import time
 
 import torch
 
 import kernels
-from engine.config import EngineConfig
+from engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
@@ -27,6 +31,7 @@ from engine.request import TokenSequence
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,27 @@ class CachedRequestState(TokenSequence):
         self.logit_bias_tensors = None
         self.pooled_sum: torch.Tensor | None = None  # mean pooling: the final hidden states so far
         self.grammar = None  # structured output: its matcher, on the sampling rank (made at its first sample)
+        # Its row of the persistent block table (engine.step_inputs), how many of block_ids that
+        # row holds, and the last step that used it.
+        self.table_row: int | None = None
+        self.table_blocks = 0
+        self.table_step = 0
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """What one step's forward and sampling need beyond the staged tensors: the host-side lists."""
+
+    num_tokens: int  # real tokens; rows past them are padding
+    num_padded_tokens: int
+    num_seqs: int
+    width: int  # blocks of the longest sequence: the block table's width on CPU
+    sample_streams: list[CachedRequestState]  # one per sample row, in row order
+    prompt_rows: list  # (state, first prompt token scored, first row, end row)
+    pool_chunks: list  # embedding requests: rows to sum (mean)
+    pool_ends: list  # embedding requests: the row that finishes one
+    graph_size: int | None  # the padded batch of a CUDA graph (or its CPU emulation); None: eager
+    meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
 
 
 class ModelRunner:
@@ -131,12 +157,43 @@ class ModelRunner:
         self.model.eval()
         # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
         self.last_stage = pp_state().rank == pp_state().size - 1
-        self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device)
+        self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device, self.backend.argmax)
                         if self.last_stage and tp_state().rank == 0 else None)
         self.source = source  # the tokenizer, for grammars (built at the first constrained request)
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
+        max_tokens = max(self.backend.padded_num_tokens(config.max_num_batched_tokens), config.max_num_seqs)
+        self.inputs = StepInputs(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                 self.device)
+        self.graphs = DecodeGraphs(capture_sizes(config.cuda_graph_sizes, config.max_num_seqs),
+                                   self._stage_dummy_decode, self._decode_forward)
+        self._graph_error: str | None = None  # why capture failed, if it did
+        graphs_off = self._graphs_off()
+        if graphs_off and self.device.type == "cuda":
+            logger.info("CUDA graphs off: %s; decode steps run eagerly", graphs_off)
+        self._compile_triton_kernels()
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if not self._graphs_off():
+            self._capture_graphs()
+
+    def _compile_triton_kernels(self) -> None:
+        """On CUDA, Triton compiles a kernel variant on its first launch (about a second each):
+        compile every tile and split count a step can pick now, so no request waits on it mid-serving."""
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        from kernels import triton_ops
+
+        attn = next(iter(self.model.layers())).self_attn
+        ffn = {m.gate_up_proj.weight.shape[0] // 2 for m in self.model.modules() if hasattr(m, "gate_up_proj")}
+        ffn |= {m.w13.shape[1] // 2 for m in self.model.modules() if isinstance(getattr(m, "w13", None), torch.Tensor)}
+        start = time.perf_counter()
+        launches = triton_ops.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                                     block_size=self.block_size, max_model_len=self.max_model_len, dtype=self.dtype,
+                                     device=self.device, kv_cache_dtype=self.kv_dtype,
+                                     hidden_size=self.model.config.hidden_size, intermediate_sizes=tuple(sorted(ffn)),
+                                     qk_norm=attn.qk_norm)
+        logger.info("Triton kernels compiled for every step shape: %d launches, %.1f s", launches,
+                    time.perf_counter() - start)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -146,39 +203,119 @@ class ModelRunner:
         return kv_bytes_per_token(stage, self.kv_dtype.itemsize, tp=tp_state().size)
 
     def _size_kv_cache(self) -> int:
-        """Blocks that fit the memory budget (the same functions `engine plan serve` uses)."""
+        """Blocks that fit the memory budget (the same functions `engine plan serve` uses):
+        num_kv_blocks if given, else kv_cache_memory if given (any device), else on CUDA what
+        gpu_memory_utilization leaves (_cuda_kv_budget), on CPU CPU_KV_CACHE_MEMORY."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = kv_budget_bytes(total, self.config.gpu_memory_utilization, self._profile_peak_bytes())
-        else:
+        knob = "kv_cache_memory"
+        if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+            knob = "gpu_memory_utilization (or set kv_cache_memory / num_kv_blocks)"
+        else:
+            budget = CPU_KV_CACHE_MEMORY
         tokens = kv_capacity_tokens(budget, self.kv_bytes_per_token(), self.block_size)
         if tokens < self.block_size:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens at "
-                f"{self.kv_bytes_per_token()} bytes per token: raise kv_cache_memory or gpu_memory_utilization")
+                f"{self.kv_bytes_per_token()} bytes per token: raise {knob}")
         # Every rank of a parallel replica shares one block table: keep what fits on all of them.
         return min_over_ranks(tokens // self.block_size)
 
-    def _profile_peak_bytes(self) -> int:
-        """Peak memory of weights plus one forward over a full token budget (CUDA only), not
-        counting the throwaway cache the profile run needs."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        self.num_blocks = -(-n // self.block_size)
-        self._allocate_kv_cache()
-        scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile = NewRequestData("profile#0", 0, [0] * n, [], SamplingParams(max_tokens=1),
-                                 list(range(self.num_blocks)), 0)
-        self.execute_model(SchedulerOutput(new_reqs=[profile], num_scheduled_tokens=[("profile#0", n)]))
-        self.requests.clear()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch
-        self.kv_caches = []
+    def _cuda_kv_budget(self) -> int:
+        """vLLM's rule: total x gpu_memory_utilization, minus everything in use as
+        torch.cuda.mem_get_info sees it once the weights are loaded (other processes, the CUDA
+        context and NCCL included), minus the activation peak of the largest step (profiled), minus
+        the CUDA graphs (captured once on the profile's cache to measure them)."""
+        dev = self.device
+        activation_peak = self._profile_run()
+        graph_bytes = 0
+        if not self._graphs_off():
+            graph_bytes = self._capture_graphs()
+            self.graphs.release()
+        self.kv_caches = []  # the profile's throwaway cache
+        for layer in self.model.layers():
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = None
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        return peak
+        free, total = torch.cuda.mem_get_info(dev)
+        in_use = total - free
+        util = self.config.gpu_memory_utilization
+        budget = kv_budget_bytes(total, util, in_use + activation_peak + graph_bytes)
+        mib = 1 << 20
+        logger.info("KV cache budget %.0f MiB = %.2f x %.0f MiB total - %.0f MiB in use - %.0f MiB activation peak "
+                    "- %.0f MiB CUDA graphs", budget / mib, util, total / mib, in_use / mib, activation_peak / mib,
+                    graph_bytes / mib)
+        if budget < self.kv_bytes_per_token() * self.block_size:
+            raise ValueError(
+                f"no KV cache block fits on {dev}: {util} x {total / mib:.0f} MiB total leaves {budget / mib:.0f} MiB "
+                f"after {in_use / mib:.0f} MiB in use (weights, CUDA context, other processes), a "
+                f"{activation_peak / mib:.0f} MiB activation peak and {graph_bytes / mib:.0f} MiB of CUDA graphs; "
+                "raise gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, set enforce_eager, or "
+                "set kv_cache_memory / num_kv_blocks")
+        return budget
+
+    def _profile_run(self) -> int:
+        """Run the largest step the scheduler can send on a throwaway cache and return its
+        activation peak (bytes allocated beyond what stays allocated): a full token budget over
+        max_num_seqs sequences (as many as the budget allows), all sampling with top-k/top-p,
+        penalties and logprobs, the first one's whole chunk also scoring prompt logprobs. The
+        throwaway cache stays bound to the layers (the graph probe reads it)."""
+        dev = self.device
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_seqs = min(self.config.max_num_seqs, n)
+        lengths = [n - num_seqs + 1] + [1] * (num_seqs - 1)
+        self.num_blocks = sum(-(-m // self.block_size) for m in lengths)
+        self._allocate_kv_cache()
+        top = self.config.max_logprobs
+        params = SamplingParams(max_tokens=1, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, presence_penalty=0.5,
+                                repetition_penalty=1.1, seed=0, logprobs=top)
+        # Prompt logprobs score every prompt token but the first: only a prompt of two or more has any.
+        first = dataclasses.replace(params, prompt_logprobs=top) if lengths[0] > 1 else params
+        new, block = [], 0
+        for i, m in enumerate(lengths):
+            blocks = list(range(block, block + -(-m // self.block_size)))
+            block += len(blocks)
+            new.append(NewRequestData(f"profile#{i}", 0, [0] * m, [], first if i == 0 else params, blocks, 0))
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.execute_model(SchedulerOutput(new_reqs=new, num_scheduled_tokens=[(r.req_id, len(r.prompt_token_ids))
+                                                                               for r in new]))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        self.update_states(SchedulerOutput(finished_req_ids=[r.req_id for r in new]))
+        self.inputs.reset()  # its block ids name blocks of the throwaway cache
+        return max(peak, 0)
+
+    def _graphs_off(self) -> str | None:
+        """Why decode steps cannot be captured here (None: they are)."""
+        if self.device.type != "cuda":
+            return "not a CUDA device"
+        if self._graph_error is not None:
+            return f"capture failed ({self._graph_error})"
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        if tp_state().size > 1 or pp_state().size > 1:
+            return "tensor/pipeline parallel steps (their collectives and sends are not captured)"
+        if self.attn_backend != "triton":
+            return f"the {self.attn_backend} attention backend plans its steps on the host"
+        if not self.graphs.sizes:
+            return "no cuda_graph_sizes"
+        return None
+
+    def _capture_graphs(self) -> int:
+        """Capture the decode graphs against the bound KV cache; their device memory, or 0 if
+        capture failed (decode then runs eagerly, with a warning)."""
+        try:
+            return self.graphs.capture(self.device)
+        except Exception as e:  # an op that cannot be captured: serve eagerly rather than not at all
+            logger.warning("capturing CUDA graphs failed (%r); decode steps run eagerly", e)
+            self._graph_error = repr(e)
+            self.graphs.release()
+            return 0
 
     def _allocate_kv_cache(self) -> None:
         self.kv_caches = []
@@ -209,7 +346,9 @@ class ModelRunner:
     def update_states(self, sched: SchedulerOutput) -> None:
         """Bring the runner's copies of the streams to where the scheduler has them."""
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.inputs.release(state)
         for new in sched.new_reqs:
             self.requests[new.req_id] = CachedRequestState(new)
         for c in sched.cached_reqs:
@@ -217,20 +356,23 @@ class ModelRunner:
             state.output_token_ids += c.new_token_ids
             if c.resumed:
                 state.block_ids = list(c.new_block_ids)
+                state.table_blocks = 0  # its block-table row is stale: rewrite it whole
             else:
                 state.block_ids += c.new_block_ids
             state.num_computed_tokens = c.num_computed_tokens
         for _, child in sched.forks:
             self.requests[child.req_id] = CachedRequestState(child)
 
-    @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Apply the step's changes, run its forward, sample; then make the forks' block copies
-        (they read blocks this forward wrote). None on a rank that does not sample."""
-        self.update_states(sched)
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepBatch:
+        """Lay the step out as flat rows and stage it in the persistent buffers (host side only:
+        nothing reaches the device until _forward uploads it). A step of one token per sequence
+        that a captured size holds is padded to that size (its graph replays); any other runs
+        eagerly, padded only as the backend asks (padded_num_tokens)."""
+        self.inputs.begin_step()
         bs = self.block_size
-        ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        ids, positions, slots, seq_lens, rows = [], [], [], [], []
         query_start = [0]
+        width = 1
         sample_rows, sample_streams, prompt_rows = [], [], []
         pool_chunks, pool_ends = [], []  # embedding requests: rows to sum (mean), rows that finish one
         children: dict[str, list[CachedRequestState]] = {}
@@ -240,12 +382,19 @@ class ModelRunner:
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             ids += state.token_ids_slice(start, end)
-            positions += range(start, end)
             blocks = state.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            if n == 1:
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                for b in range(start // bs, (end - 1) // bs + 1):  # whole runs of slots, block by block
+                    base = blocks[b] * bs
+                    slots += range(base + max(start - b * bs, 0), base + min(end - b * bs, bs))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            tables.append(blocks)
+            rows.append(self.inputs.table_row(state))
+            width = max(width, len(blocks))
             if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 # Row p scores prompt token p + 1.
                 last = min(end, state.num_prompt_tokens - 1)
@@ -260,46 +409,96 @@ class ModelRunner:
                 for s in [state, *children.get(req_id, ())]:  # an n > 1 prompt's choices share its row
                     sample_rows.append(query_start[-1] - 1)
                     sample_streams.append(s)
-        # Padding rows (the backend's choice; CPU bounds its matmul shapes) compute on token 0 at
-        # position 0, store nothing (slot -1) and are never read back.
-        pad = self.backend.padded_num_tokens(len(ids)) - len(ids)
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [-1] * pad
-        dev = self.device
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        num_tokens, num_seqs = len(ids), len(seq_lens)
+        graph_size = None
+        if num_tokens == num_seqs and not prompt_rows and not pool_chunks and not pool_ends:
+            graph_size = self.graphs.padded_size(max(num_seqs, len(sample_rows)))
+        if graph_size is not None:
+            padded_tokens = padded_seqs = graph_size
+        else:
+            # Padding rows (the backend's choice; CPU bounds its matmul shapes) belong to no sequence.
+            padded_tokens, padded_seqs = self.backend.padded_num_tokens(num_tokens), num_seqs
+        self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows, padded_tokens, padded_seqs)
+        return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, prompt_rows, pool_chunks,
+                         pool_ends, graph_size)
+
+    def _forward(self, step: StepBatch) -> tuple:
+        """Queue the step on the device: its inputs (one copy), then the graph replay or the eager
+        layers, and the LM head on the rows that sample and on the prompt rows that score prompt
+        logprobs. Nothing here waits for the device. Returns (hidden, residual, logits of the
+        sample rows, [(stream, first prompt token scored, float32 logits)]); hidden and residual
+        are None after a replay (no step that needs them replays)."""
+        inputs = self.inputs
+        inputs.upload()
+        num_samples = len(step.sample_streams)
+        if step.graph_size is not None:
+            return None, None, self.graphs.run(step.graph_size)[:num_samples], []
+        # CPU reads a table as wide as this step's longest sequence; CUDA the full width, whose
+        # stride never changes (one Triton specialisation, and the shape a graph reads).
+        width = None if self.device.type == "cuda" else step.width
+        n, s = step.num_padded_tokens, step.num_seqs
+        step.meta = AttentionMetadata(
+            slot_mapping=inputs.view("slot_mapping", n),
+            block_tables=inputs.block_tables(s, width),
+            query_start_loc=inputs.view("query_start_loc", s + 1),
+            seq_lens=inputs.view("seq_lens", s),
         )
-        meta.plan = self.backend.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, bs)
-        with forward_context(meta, self.backend):
-            hidden, residual = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
-            out = None
+        step.meta.plan = self.backend.plan_attention(step.meta.block_tables, step.meta.query_start_loc,
+                                                     step.meta.seq_lens, self.block_size)
+        with forward_context(step.meta, self.backend):
+            hidden, residual = self.model(inputs.view("input_ids", n), inputs.view("positions", n))
+            logits, prompt_logits = None, []
             if self.last_stage:
-                logits = None
-                if sample_rows:
-                    rows = torch.tensor(sample_rows, device=dev)
-                    logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
                 # Every TP rank of the last stage computes the logits (the vocabulary is gathered
                 # across them); only the sampling rank reads them.
-                prompt_logits = []
-                for state, first, a, b in prompt_rows:
+                if num_samples:
+                    rows = inputs.view("sample_rows", num_samples)
+                    logits = self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
+                for state, first, a, b in step.prompt_rows:
                     h = self.model.final_hidden(hidden[a:b], residual[a:b])
                     prompt_logits.append((state, first, self.model.compute_logits(h).float()))
-                if self.sampler is not None:
-                    out = ModelRunnerOutput()
-                    for state, first, rows in prompt_logits:
-                        try:
-                            self._prompt_logprobs(out, state, first, rows)
-                        except Exception as e:
-                            self._failed(out, state, e)
-                    if sample_streams:
-                        self._sample(out, logits, sample_streams)
-                    if pool_chunks or pool_ends:
-                        self._pool(out, hidden, residual, pool_chunks, pool_ends)
+        return hidden, residual, logits, prompt_logits
+
+    def _stage_dummy_decode(self, size: int) -> None:
+        """Stage a decode batch of `size` padding sequences (what a graph is captured on)."""
+        self.inputs.begin_step()
+        self.inputs.stage([], [], [], [0], [], [], [], size, size)
+        self.inputs.upload()
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The decode step a graph captures for `size` sequences: it reads only the persistent
+        buffers (the block table gathered from the rows at its full width) and returns the logits
+        of `size` sample rows."""
+        inputs = self.inputs
+        meta = AttentionMetadata(inputs.slot_mapping[:size], inputs.graph_block_tables(size),
+                                 inputs.query_start_loc[:size + 1], inputs.seq_lens[:size])
+        meta.plan = self.backend.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                                self.block_size)
+        with forward_context(meta, self.backend):
+            hidden, residual = self.model(inputs.input_ids[:size], inputs.positions[:size])
+            rows = inputs.sample_rows[:size]
+            return self.model.compute_logits(self.model.final_hidden(hidden[rows], residual[rows]))
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's changes, run its forward, sample; then make the forks' block copies
+        (they read blocks this forward wrote). None on a rank that does not sample."""
+        self.update_states(sched)
+        step = self._prepare_inputs(sched)
+        hidden, residual, logits, prompt_logits = self._forward(step)
+        out = None
+        if self.sampler is not None:
+            out = ModelRunnerOutput()
+            for state, first, rows in prompt_logits:
+                try:
+                    self._prompt_logprobs(out, state, first, rows)
+                except Exception as e:
+                    self._failed(out, state, e)
+            if step.sample_streams:
+                self._sample(out, logits, step.sample_streams)
+            if step.pool_chunks or step.pool_ends:
+                with forward_context(step.meta, self.backend):  # the final norm runs again
+                    self._pool(out, hidden, residual, step.pool_chunks, step.pool_ends)
         self.copy_blocks(sched.block_copies)
         return out
 

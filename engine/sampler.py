@@ -11,9 +11,12 @@ seeded request samples the same whatever else is in the batch), and to hand resu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from kernels import reference
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SampledToken
@@ -125,8 +128,10 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device):
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax):
         self.eos_token_ids = eos_token_ids
+        self.argmax = argmax  # the kernel backend's: greedy rows are most of a batch's sampling
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.grammars = None  # engine.structured_output.StructuredOutputs, set by the runner on first use
@@ -161,9 +166,7 @@ class Sampler:
             self._ban_stop_tokens(logits, reqs, banning)
         if constrained:
             self.grammars.mask(logits, [reqs[i].grammar for i in constrained], constrained)
-        # max(dim).indices: the same first-maximum index as argmax, which on CPU is ~7x slower
-        # for bfloat16 rows (measured: 6.9 vs 1.0 ms for 64 x 49152).
-        tokens = logits.max(dim=-1).indices
+        tokens = self.argmax(logits)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])

@@ -17,7 +17,8 @@ LAYERS = [
     ("front end", ["engine.frontend"]),
     ("core", ["engine.core", "engine.scheduler", "engine.kv_cache"]),
     ("executor", ["engine.executor"]),
-    ("runner", ["engine.model_runner", "engine.sampler", "engine.structured_output", "engine.host_memory"]),
+    ("runner", ["engine.model_runner", "engine.step_inputs", "engine.cuda_graphs", "engine.sampler",
+                "engine.structured_output", "engine.host_memory"]),
     ("models", ["engine.models", "engine.loader", "engine.gguf_loader", "engine.default_model"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
     ("distributed", ["engine.distributed"]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from engine.bench.datasets import SampleRequest
+from engine.config import CPU_KV_CACHE_MEMORY
 
 INSTALL_HINT = """vLLM is not importable from this Python ({python}).
 Install it, best in its own virtual environment, and point the bench at that interpreter:
@@ -76,7 +77,7 @@ def vllm_engine_kwargs(args, cpu: bool) -> dict:
         if value is not None and value != defaults[name]:
             kwargs[name] = value
     if cpu:
-        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory)
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
     return kwargs
 
 
