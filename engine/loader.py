@@ -9,6 +9,14 @@ tensor of the layer has one type and the format is one engine.quant supports (`g
 "native", the default); other quantized tensors (the token embedding, a layer with mixed types)
 are dequantized to float as before, with a log line saying which. `gguf_weights="dequantize"`
 dequantizes every tensor (the path before engine/quant existed).
+
+A float checkpoint's linear weights (a safetensors folder's, or a float GGUF's) are quantized at
+load with `quantization` "int8" / "int4" (engine/quant/quantize.py); those of a safetensors folder
+whose config.json names a pre-quantized method (GPTQ, AWQ, compressed-tensors) are converted from
+its layout (engine/quant/prequantized.py); either way into GGUF's block formats, served by the
+same kernels. The embeddings and the LM head keep float
+weights (as in vLLM), as do layers without a quantized kernel (MoE experts), with a log line naming
+them; a quantized checkpoint tensor bound for such a parameter is dequantized, with a log line.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ class ModelSource:
     tokenizer: object
     eos_token_ids: list[int] = field(default_factory=list)
     gguf_weights: str = "native"  # a .gguf's quantized linear weights: "native" (kept as blocks) | "dequantize"
+    quantization: str | None = None  # "int8" | "int4" (at load), or the pre-quantized method read
+    quantization_group_size: int = 128  # int4's inputs per group
+    prequantized: object = None  # engine.quant.prequantized.Prequantized: the reader of a pre-quantized folder
 
     @property
     def is_gguf(self) -> bool:
@@ -43,17 +54,27 @@ class ModelFolderError(ValueError):
     """A model path that cannot be served as it is; the message says what to change."""
 
 
+def source_for(config) -> ModelSource:
+    """resolve_model with an EngineConfig's settings: every process that loads a model (front end,
+    data-parallel replica, worker rank, torchrun rank) opens it the same way."""
+    return resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights,
+                         config.quantization, config.quantization_group_size)
+
+
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
-                  chat_template: str | None = None, gguf_weights: str = "native") -> ModelSource:
+                  chat_template: str | None = None, gguf_weights: str = "native",
+                  quantization: str | None = None, quantization_group_size: int = 128) -> ModelSource:
     """Open a model folder, a .gguf file, or (path None) the embedded default model.
 
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
-    file) replaces the tokenizer's own. `gguf_weights`: see the module docstring."""
+    file) replaces the tokenizer's own. `gguf_weights`, `quantization` (EngineConfig's): see the
+    module docstring; a `quantization` the checkpoint cannot take is a ValueError naming the flag."""
     if path is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        source = resolve_model(default_model_path(), tokenizer_path, chat_template)
+        source = resolve_model(default_model_path(), tokenizer_path, chat_template,
+                               quantization=quantization, quantization_group_size=quantization_group_size)
         source.name = DEFAULT_MODEL_NAME
         return source
     if not os.path.exists(path):
@@ -64,21 +85,63 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
 
         check_gguf_file(path)
         gguf = load_gguf(path)
+        _check_gguf_quantization(path, quantization, gguf.types())
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
         _set_chat_template(tokenizer, chat_template)
-        return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None), gguf_weights)
+        return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None), gguf_weights,
+                           quantization, quantization_group_size)
     check_model_folder(path)
     from transformers import AutoConfig
 
     with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+        config_json = json.load(f)
     from engine.models.registry import model_class
 
-    model_class(model_type)  # fail early, naming the supported types
+    model_class(config_json.get("model_type"))  # fail early, naming the supported types
+    prequantized = _check_folder_quantization(path, quantization, config_json)
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = _load_tokenizer(tokenizer_path or path)
     _set_chat_template(tokenizer, chat_template)
-    return ModelSource(path, name, hf_config, tokenizer, _eos_ids(tokenizer, hf_config, path))
+    method = prequantized.method if prequantized is not None else quantization
+    return ModelSource(path, name, hf_config, tokenizer, _eos_ids(tokenizer, hf_config, path),
+                       quantization=method, quantization_group_size=quantization_group_size, prequantized=prequantized)
+
+
+def _check_gguf_quantization(path: str, quantization: str | None, types: dict[str, tuple[str, str]]) -> None:
+    """--quantization on a GGUF file: int8 / int4 quantize a float one; a quantized one is served as
+    stored, and the pre-quantized methods read safetensors folders."""
+    from engine.quant import FLOAT_TYPES
+    from engine.quant.prequantized import METHODS
+
+    if quantization is None:
+        return
+    if quantization in METHODS:
+        raise ValueError(f"--quantization {quantization} reads pre-quantized safetensors folders; {path} is a GGUF "
+                         "file (its quantized tensors are served as stored): drop --quantization")
+    kinds = sorted({kind for _, kind in types.values() if kind not in FLOAT_TYPES})
+    if kinds:
+        raise ValueError(f"--quantization {quantization}: {path} is already quantized (GGUF {', '.join(kinds)} "
+                         "tensors), and its blocks are served as stored (--gguf-weights native): drop --quantization")
+
+
+def _check_folder_quantization(path: str, quantization: str | None, config_json: dict):
+    """The pre-quantized reader config.json asks for (None for a float checkpoint), checked against
+    --quantization."""
+    from engine.quant.prequantized import read_quantization_config
+
+    reader = read_quantization_config(config_json)
+    if reader is not None and quantization in ("int8", "int4"):
+        raise ValueError(f"--quantization {quantization}: {path} is already quantized ({reader.method}, says its "
+                         f"config.json), and is read as such: drop --quantization")
+    if quantization not in (None, "int8", "int4"):
+        if reader is None:
+            raise ValueError(f"--quantization {quantization}: {path} is not a pre-quantized checkpoint (its "
+                             "config.json has no quantization_config): drop the flag, or quantize it at load "
+                             "with --quantization int8 or int4")
+        if reader.method != quantization:
+            raise ValueError(f"--quantization {quantization}: {path} is a {reader.method} checkpoint (says its "
+                             f"config.json): drop the flag (the method is detected) or pass {reader.method}")
+    return reader
 
 
 def check_model_folder(path: str) -> None:
@@ -216,9 +279,13 @@ class GGUFTensors:
 
 
 def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
-    if source.is_gguf:
-        return GGUFTensors(source.path, source.gguf_weights)
-    return _safetensors(source.path)
+    if source.prequantized is not None:
+        return PrequantizedTensors(_TensorsByName(source.path), source.prequantized)
+    tensors = GGUFTensors(source.path, source.gguf_weights) if source.is_gguf else _safetensors(source.path)
+    if source.quantization in ("int8", "int4"):
+        names = list(tensors.types) if source.is_gguf else list(_TensorsByName(source.path).files)
+        return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size)
+    return tensors
 
 
 def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -286,10 +353,158 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
                        ", ".join(dequantized[:4]) + more, native_note)
 
 
+class _TensorsByName:
+    """A safetensors folder's tensors by name (each file opened once, as needed)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.files: dict[str, str] = {}
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            with safe_open(file, framework="pt") as f:
+                self.files.update((name, file) for name in f.keys())
+        self.open: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self.open:
+            self.open[file] = safe_open(file, framework="pt")
+        return self.open[file].get_tensor(name)
+
+
+def _float_kept(targets: set[str], what: str, why: str) -> None:
+    """Log which matrices stay float under `what`: the embeddings and LM head (as vLLM keeps them),
+    and, louder, any other (`why`)."""
+    embeddings = sorted(t for t in targets if "embed_tokens" in t or t.startswith("lm_head"))
+    others = sorted(targets - set(embeddings))
+    if embeddings:
+        logger.info("%s: kept float, as in vLLM: %s", what, ", ".join(embeddings))
+    if others:
+        more = f", ... ({len(others) - 4} more)" if len(others) > 4 else ""
+        logger.warning("%s: %d matrices kept float (%s): %s%s", what, len(others), why, ", ".join(others[:4]), more)
+
+
+class QuantizeAtLoad:
+    """A float checkpoint's tensors with the linear weights quantized on the way (--quantization int8 /
+    int4, engine/quant/quantize.py); choose_layers turns those layers into block-format layers first."""
+
+    def __init__(self, tensors: Iterable[tuple[str, object]], names: list[str], method: str, group_size: int):
+        self.tensors, self.names, self.method, self.group_size = tensors, names, method, group_size
+        self.quantized: set[str] = set()
+
+    def choose_layers(self, model: torch.nn.Module) -> None:
+        from engine.quant.quantize import block_format, check_quantizable, describe
+
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        layers, kept = set(), set()
+        for name in self.names:
+            target = _target(model, name, params)
+            if target is None or params[target].dim() < 2:
+                continue
+            module = modules.get(target.rpartition(".")[0])
+            if not (target.endswith(".weight") and hasattr(module, "quantize_weight")):
+                kept.add(target)
+                continue
+            if module.quant_format is None:
+                # Per rank, as vLLM asks of pre-quantized groups: no group straddles two ranks.
+                check_quantizable(module.weight.shape[1], self.method, self.group_size, target)
+                module.quantize_weight(block_format(self.method))
+            layers.add(target)
+            self.quantized.add(name)
+        what = f"--quantization {self.method}"
+        logger.info("%s: %d linear layers quantized at load: %s", what, len(layers),
+                    describe(self.method, self.group_size))
+        _float_kept(kept, what, "no quantized kernel for their layers")
+
+    def __iter__(self):
+        from engine.quant.quantize import quantize
+
+        for name, tensor in self.tensors:
+            if name in self.quantized and isinstance(tensor, torch.Tensor):
+                tensor = quantize(tensor, self.method, self.group_size)
+            yield name, tensor
+
+
+class PrequantizedTensors:
+    """A pre-quantized folder's tensors (engine/quant/prequantized.py): each quantized linear's parts
+    (qweight, scales, ...) come as one `<module>.weight` QuantizedTensor in a GGUF block format, or,
+    for a parameter that keeps float weights, dequantized (logged by choose_layers)."""
+
+    def __init__(self, tensors: _TensorsByName, reader):
+        self.tensors, self.reader = tensors, reader
+        self.modules: dict[str, dict[str, str]] = {}  # module -> {part suffix: checkpoint name}
+        for name in tensors.files:
+            module, _, suffix = name.rpartition(".")
+            if suffix == reader.marker:
+                self.modules[module] = {}
+        for name in tensors.files:
+            module, _, suffix = name.rpartition(".")
+            if module in self.modules and suffix in reader.parts:
+                self.modules[module][suffix] = name
+        self.wanted: set[str] = set()  # modules whose weight this process loads
+        self.to_float: set[str] = set()
+
+    def choose_layers(self, model: torch.nn.Module) -> None:
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        layers: dict[str, str] = {}
+        for prefix in self.modules:
+            target = _target(model, prefix + ".weight", params)
+            if target is None:
+                continue
+            self.wanted.add(prefix)
+            module = modules.get(target.rpartition(".")[0])
+            fmt = self.reader.scheme_for(prefix).block_format
+            if not (target.endswith(".weight") and hasattr(module, "quantize_weight")):
+                self.to_float.add(prefix)
+            elif module.quant_format is None:
+                module.quantize_weight(fmt)
+                layers[target] = fmt.name
+            elif module.quant_format is not fmt:
+                raise ValueError(f"{prefix}: its {self.reader.method} scheme makes {fmt.name} blocks, but another part "
+                                 f"of {target} made {module.quant_format.name}: the parts of one fused layer must "
+                                 "share one scheme")
+        formats = ", ".join(f"{n} as {f}" for f, n in
+                            sorted({f: sum(v == f for v in layers.values()) for f in layers.values()}.items()))
+        logger.info("%s checkpoint: %d linear layers converted at load to GGUF blocks (%s; scales and zero points "
+                    "repeated in each 32-block of their group, served by the GGUF kernels)",
+                    self.reader.describe(), len(layers), formats or "none")
+        if self.to_float:
+            logger.warning("%s checkpoint: %d quantized tensor(s) dequantized to float, their parameters keep float "
+                           "weights here: %s", self.reader.method, len(self.to_float), ", ".join(sorted(self.to_float)))
+        parts = {name for names in self.modules.values() for name in names.values()}
+        floats = {t for name in self.tensors.files if name not in parts
+                  and (t := _target(model, name, params)) is not None and params[t].dim() >= 2}
+        _float_kept(floats, f"{self.reader.method} checkpoint", "stored float in the checkpoint")
+
+    def __iter__(self):
+        parts = {name for names in self.modules.values() for name in names.values()}
+        changed = 0.0
+        for name in self.tensors.files:
+            module, _, suffix = name.rpartition(".")
+            if module in self.modules and suffix == self.reader.marker:
+                if module not in self.wanted:
+                    continue
+                blocks, change = self.reader.to_blocks(module, {s: self.tensors.get(n)
+                                                                for s, n in self.modules[module].items()})
+                changed = max(changed, change)
+                yield module + ".weight", blocks.dequantize() if module in self.to_float else blocks
+            elif name not in parts:
+                yield name, self.tensors.get(name)
+        if changed:
+            logger.info("%s checkpoint: scales rounded to fp16 for the blocks (largest relative change %.2g)",
+                        self.reader.method, changed)
+
+
 def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader; every parameter must be filled."""
     if isinstance(tensors, GGUFTensors):
         choose_native_weights(model, tensors)
+    elif hasattr(tensors, "choose_layers"):
+        tensors.choose_layers(model)
     params = dict(model.named_parameters())
     missing = set(params)
     for name, tensor in tensors:
@@ -298,8 +513,8 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) 
         _, shard_id = model.checkpoint_target(name)
         param = params[target]
         loader = param.weight_loader if hasattr(param, "weight_loader") else _copy
-        if isinstance(tensor, torch.Tensor):
-            tensor = tensor.to(param.dtype)
+        if isinstance(tensor, torch.Tensor) and getattr(param, "quant_format", None) is None:
+            tensor = tensor.to(param.dtype)  # (a float tensor bound for blocks is refused by the weight loader)
         loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
         missing.discard(target)
     if missing:

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ["RANK"]) == 0:
         return engine_main(argv)
     from engine.arg_utils import engine_config_from_args
-    from engine.loader import resolve_model
+    from engine.loader import source_for
     from engine.distributed.layout import check_layout
     from engine.executor.worker import worker_main
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     config = engine_config_from_args(args)
-    source = resolve_model(config.model, config.tokenizer, gguf_weights=config.gguf_weights)
+    source = source_for(config)
     layout = check_layout(config, source.hf_config)
     worker_main(rank, layout, config, "env://", int(os.environ["LOCAL_RANK"]))
     return 0

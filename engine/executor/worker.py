@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 
 def worker_main(rank: int, layout: ParallelLayout, config, init_method: str, local_rank: int) -> None:
     """A follower process: join the replica, build this rank's shard, follow until told to stop."""
-    from engine.loader import resolve_model
+    from engine.loader import source_for
     from engine.model_runner import ModelRunner, resolve_device
 
-    source = resolve_model(config.model, config.tokenizer, gguf_weights=config.gguf_weights)
+    source = source_for(config)
     control = init_distributed(layout, rank, resolve_device(config.device), init_method, local_rank,
                                config.distributed_timeout_s)
     runner = ModelRunner(config, source)

@@ -25,7 +25,7 @@ from engine.distributed.layout import check_layout
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.frontend.replica import replica_main
 from engine.frontend.router import Router
-from engine.loader import resolve_model
+from engine.loader import source_for
 from engine.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class DataParallelCore:
     def __init__(self, config):
         self.config = config
         # config and tokenizer only (the replicas load weights); this tokenizer serves the chat route
-        source = resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights)
+        source = source_for(config)
         layout = check_layout(config, source.hf_config)
         self.tokenizer, self.model_name, self.eos_token_ids = source.tokenizer, source.name, source.eos_token_ids
         self.vocab_size = source.hf_config.vocab_size

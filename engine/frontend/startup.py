@@ -8,12 +8,12 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.executor.executor import make_executor
-from engine.loader import resolve_model
+from engine.loader import source_for
 
 
 def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = EngineCore) -> EngineCore:
     """`core_class`: EngineCore, or a subclass of it (tests inject failures that way)."""
-    source = resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights)
+    source = source_for(config)
     executor = make_executor(config, source)
     try:
         return core_class(config, source, executor)

@@ -3,7 +3,9 @@ rank's shard of a checkpoint tensor, so the loader never needs to know about sha
 
 A layer's weight is float (the model's dtype), or, after quantize_weight(format), a GGUF block
 format's raw blocks (engine/quant): a uint8 parameter [out rows, in / 32 * block bytes] loaded
-from QuantizedTensor shards, multiplied by the format's matmul for the step's backend."""
+from QuantizedTensor shards (a GGUF file's blocks as stored, float weights quantized at load by
+--quantization int8 / int4, or a GPTQ / AWQ / compressed-tensors checkpoint converted at load),
+multiplied by the format's matmul for the step's backend."""
 
 from __future__ import annotations
 
@@ -92,7 +94,8 @@ class _Linear(nn.Module):
         rows, in_features = self.weight.shape
         if in_features % fmt.block_size:
             raise ValueError(f"{in_features} inputs per rank are not whole {fmt.name} blocks of {fmt.block_size}: "
-                             "use a tensor-parallel size that keeps them whole, or load the GGUF dequantized")
+                             "use a tensor-parallel size that keeps them whole, or float weights (a GGUF with "
+                             "--gguf-weights dequantize; a float checkpoint without --quantization)")
         blocks = nn.Parameter(torch.empty(rows, fmt.row_bytes(in_features), dtype=torch.uint8,
                                           device=self.weight.device), requires_grad=False)
         blocks.weight_loader = self.weight.weight_loader

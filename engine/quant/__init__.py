@@ -4,9 +4,15 @@ Today: GGUF's block formats Q8_0, Q4_0 and Q4_1 (formats.py), kept as the file s
 multiplied by the cpu backend's C++ kernels (kernels/cpu_quant.cpp) or, on any other backend, by
 dequantize-then-F.linear. A linear layer holds such a weight as a uint8 parameter plus its format
 (engine/layers/linear.py, quantize_weight); the GGUF loader hands it QuantizedTensor shards.
+Other sources are converted into the same blocks at load, so the same kernels serve them:
+float weights by `--quantization int8 | int4` (quantize.py), and pre-quantized GPTQ / AWQ /
+compressed-tensors checkpoints (prequantized.py).
 """
 
 from engine.quant.formats import BLOCK_SIZE, FLOAT_TYPES, FORMATS, BlockFormat, reference_linear
 from engine.quant.tensor import QuantizedTensor
+from engine.quant.quantize import quantize
+from engine.quant.prequantized import METHODS as PREQUANTIZED_METHODS, read_quantization_config
 
-__all__ = ["BLOCK_SIZE", "FLOAT_TYPES", "FORMATS", "BlockFormat", "QuantizedTensor", "reference_linear"]
+__all__ = ["BLOCK_SIZE", "FLOAT_TYPES", "FORMATS", "PREQUANTIZED_METHODS", "BlockFormat", "QuantizedTensor",
+           "quantize", "read_quantization_config", "reference_linear"]
