@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def parse_percentiles(text: str) -> list[float]:
@@ -58,8 +59,12 @@ def parse_kv(items: list[str]) -> dict:
 
 
 def load_tokenizer(path: str):
+    """A model folder's tokenizer, or a .gguf file's own (the file the engine and llama.cpp both read)."""
     import transformers
 
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(path))
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
