@@ -21,7 +21,9 @@ MODELS = {"llama": dict(model_type="llama"), "qwen3": dict(model_type="qwen3"),
 def test_engine_greedy_parity_with_triton_backend(triton_ops, tmp_path, family):
     path = build_tiny_model(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2, **MODELS[family])
     # Small enough for the interpreter; chunked prefill (budget 24) and a prompt ending mid-block.
-    llm = LLM(path, attention_backend="triton", num_kv_blocks=32, max_num_batched_tokens=24, max_model_len=256)
+    # float32 pinned: "auto" is bfloat16 on CUDA, and the expectations are float32 transformers.
+    llm = LLM(path, attention_backend="triton", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=24,
+              max_model_len=256)
     assert llm.engine.runner.attn_backend == "triton"
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 21, 40)]

@@ -233,8 +233,8 @@ def test_engine_fp8_on_triton_matches_torch(triton_ops, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = {}
     for backend in ("triton", "torch"):
-        llm = LLM(path, attention_backend=backend, kv_cache_dtype="fp8", num_kv_blocks=16, max_num_batched_tokens=16,
-                  max_model_len=128)
+        llm = LLM(path, attention_backend=backend, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=16,
+                  max_num_batched_tokens=16, max_model_len=128)  # float32: "auto" is bfloat16 on CUDA
         assert llm.engine.runner.kv_dtype == FP8
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # Both store the same bytes (write_kv is byte-exact) and read them through float math that
