@@ -280,24 +280,12 @@ class GGUFTensors:
 
 def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
     if source.prequantized is not None:
-        return PrequantizedTensors(_TensorsByName(source.path), source.prequantized)
-    tensors = GGUFTensors(source.path, source.gguf_weights) if source.is_gguf else _safetensors(source.path)
+        return PrequantizedTensors(SafetensorsFolder(source.path), source.prequantized)
+    tensors = GGUFTensors(source.path, source.gguf_weights) if source.is_gguf else SafetensorsFolder(source.path)
     if source.quantization in ("int8", "int4"):
-        names = list(tensors.types) if source.is_gguf else list(_TensorsByName(source.path).files)
+        names = list(tensors.types) if source.is_gguf else list(tensors.files)
         return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size)
     return tensors
-
-
-def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}")
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
@@ -309,6 +297,13 @@ def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
     if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
         target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)
     return target if target in params else None
+
+
+def _block_holder(modules: dict[str, torch.nn.Module], target: str) -> torch.nn.Module | None:
+    """The linear layer whose weight `target` is, when it can keep its weight as blocks
+    (quantize_weight); None for any other parameter (embeddings, norms, experts, biases)."""
+    module = modules.get(target.rpartition(".")[0])
+    return module if target.endswith(".weight") and hasattr(module, "quantize_weight") else None
 
 
 def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
@@ -332,8 +327,8 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
         if tensors.gguf_weights == "dequantize":
             dequantized += [f"{g} ({k})" for _, g, k in group if k not in FLOAT_TYPES]
             continue
-        module = modules.get(target.rpartition(".")[0])
-        holder = target.endswith(".weight") and hasattr(module, "quantize_weight")
+        module = _block_holder(modules, target)
+        holder = module is not None
         if holder and len(kinds) == 1 and next(iter(kinds)) in FORMATS:
             module.quantize_weight(FORMATS[kinds.pop()])
             tensors.native.update(name for name, _, _ in group)
@@ -353,14 +348,18 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
                        ", ".join(dequantized[:4]) + more, native_note)
 
 
-class _TensorsByName:
-    """A safetensors folder's tensors by name (each file opened once, as needed)."""
+class SafetensorsFolder:
+    """A safetensors folder's tensors: by name (`get`; pre-quantized checkpoints read a module's
+    parts together), or iterated as (name, tensor) in file order. Each file is opened once."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
-        self.files: dict[str, str] = {}
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path!r}")
+        self.files: dict[str, str] = {}  # tensor name -> its file
+        for file in files:
             with safe_open(file, framework="pt") as f:
                 self.files.update((name, file) for name in f.keys())
         self.open: dict[str, object] = {}
@@ -372,6 +371,10 @@ class _TensorsByName:
         if file not in self.open:
             self.open[file] = safe_open(file, framework="pt")
         return self.open[file].get_tensor(name)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.files:
+            yield name, self.get(name)
 
 
 def _float_kept(targets: set[str], what: str, why: str) -> None:
@@ -404,8 +407,8 @@ class QuantizeAtLoad:
             target = _target(model, name, params)
             if target is None or params[target].dim() < 2:
                 continue
-            module = modules.get(target.rpartition(".")[0])
-            if not (target.endswith(".weight") and hasattr(module, "quantize_weight")):
+            module = _block_holder(modules, target)
+            if module is None:
                 kept.add(target)
                 continue
             if module.quant_format is None:
@@ -433,7 +436,7 @@ class PrequantizedTensors:
     (qweight, scales, ...) come as one `<module>.weight` QuantizedTensor in a GGUF block format, or,
     for a parameter that keeps float weights, dequantized (logged by choose_layers)."""
 
-    def __init__(self, tensors: _TensorsByName, reader):
+    def __init__(self, tensors: SafetensorsFolder, reader):
         self.tensors, self.reader = tensors, reader
         self.modules: dict[str, dict[str, str]] = {}  # module -> {part suffix: checkpoint name}
         for name in tensors.files:
@@ -456,9 +459,9 @@ class PrequantizedTensors:
             if target is None:
                 continue
             self.wanted.add(prefix)
-            module = modules.get(target.rpartition(".")[0])
+            module = _block_holder(modules, target)
             fmt = self.reader.scheme_for(prefix).block_format
-            if not (target.endswith(".weight") and hasattr(module, "quantize_weight")):
+            if module is None:
                 self.to_float.add(prefix)
             elif module.quant_format is None:
                 module.quantize_weight(fmt)

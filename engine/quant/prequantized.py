@@ -33,6 +33,7 @@ normal range, the only inexact step; symmetric 4-bit and 8-bit are exact.
 
 from __future__ import annotations
 
+import abc
 import logging
 import re
 from dataclasses import dataclass
@@ -142,7 +143,7 @@ def blocks_from_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     return QuantizedTensor(pack_q4_1(per_block(d, g), per_block(m, g), q), FORMATS["Q4_1"]), changed
 
 
-class Prequantized:
+class Prequantized(abc.ABC):
     """One method's reader. `marker`: the tensor suffix whose presence makes a module a quantized
     linear; `parts`: every suffix of such a module (all consumed by to_blocks)."""
 
@@ -150,14 +151,17 @@ class Prequantized:
     marker: str
     parts: tuple[str, ...]
 
+    @abc.abstractmethod
     def scheme_for(self, module: str) -> WeightScheme:
-        raise NotImplementedError
+        """How `module`'s weight is quantized (bits, group, symmetry) and the block format it becomes."""
 
+    @abc.abstractmethod
     def to_blocks(self, module: str, parts: dict[str, torch.Tensor]) -> tuple[QuantizedTensor, float]:
-        raise NotImplementedError
+        """The module's parts as blocks, and the largest relative change fp16 rounding made to a scale."""
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """The checkpoint's scheme in words, for the start-up log."""
 
 
 class GPTQ(Prequantized):
