@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from engine.loader import checkpoint_tensors, load_weights, resolve_model
+from tests.engine.engine_runs import engine_greedy
 from tests.kernels.gguf_blocks import quantize
 from tests.tiny_model import build_tiny_model
 
@@ -69,15 +70,7 @@ def write_gguf(path, folder: str, arch: str, qtype: str | None, as_float: bool =
 
 
 def greedy(path, folder: str, **config) -> list[list[int]]:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(str(path), tokenizer=folder, num_kv_blocks=128, max_model_len=256, **config)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    return engine_greedy(path, PROMPTS, MAX_TOKENS, tokenizer=folder, num_kv_blocks=128, max_model_len=256, **config)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

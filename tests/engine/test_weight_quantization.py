@@ -18,9 +18,10 @@ import torch
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig
 from engine.loader import checkpoint_tensors, load_weights, resolve_model
 from engine.quant.quantize import quantize
+from tests.engine.engine_runs import engine_greedy
 from tests.engine.hf_oracle import hf_greedy
 from tests.tiny_model import build_tiny_model
 
@@ -205,13 +206,7 @@ def write_float_folder(src: str, dst, weights: dict[str, torch.Tensor], dtype=to
 
 
 def greedy(path: str, **config) -> list[list[int]]:
-    llm = LLM(path, num_kv_blocks=64, max_model_len=256, dtype="float32", **config)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    return engine_greedy(path, PROMPTS, MAX_TOKENS, num_kv_blocks=64, max_model_len=256, dtype="float32", **config)
 
 
 def hf_tokens(path: str) -> list[list[int]]:
