@@ -38,6 +38,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -455,6 +456,164 @@ void linear_q8_impl(const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int6
   });
 }
 
+// ---- bf16 activations at many rows: weight tiles dequantized to bf16, multiplied by brgemm --------
+//
+// Above a handful of rows the weight's dequantization, paid once per row group by linear_f32, is the
+// cost, and dequantizing the whole matrix first (then a GEMM) writes and rereads it through memory:
+// for a 49152 x 576 LM head that is 56 MB a call. Here each thread dequantizes kTileRows weight rows
+// at a time into a bf16 tile that stays in its L2 (576 inputs: 72 KB), in the VNNI layout oneDNN's
+// bf16 brgemm reads (pairs of consecutive inputs of a row side by side, rows next to each other),
+// and multiplies every activation row against it with at::native::cpublas::brgemm (AMX or AVX-512
+// BF16 where the CPU has them), kTileM rows per call so that oneDNN JITs at most a few dozen kernel
+// shapes whatever M is. Weights are rounded to bf16 once, as dequantize(bf16) then F.linear does.
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+constexpr int64_t kTileRows = 64;  // weight rows per tile: brgemm's N and the tile's leading dimension
+constexpr int64_t kTileM = 32;     // activation rows per brgemm call
+
+// 16 floats -> 16 bfloat16, rounded to nearest even; NaN stays NaN.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 32 floats (w0, then w1) -> 32 bfloat16 in order: 16 dwords, dword j holding weights 2j and 2j + 1.
+inline __m512i bf16_pairs(__m512 w0, __m512 w1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(w0)), to_bf16(w1), 1);
+}
+
+// r[0..15] <- its transpose, as 16 x 16 dwords.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Now r[4a + b] holds, in each 128-bit lane L, row (4L + ..) parts: exchange the lanes.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// 16 weight rows (at w, row_bytes apart) -> their VNNI columns of the tile (at out, kTileRows apart):
+// each block of the 16 rows decoded into an L1 stage, then 16 pairs x 16 rows transposed at a time,
+// so every store is a whole 64-byte run (a scatter per 32 weights cost 3x the decoding). Pairs:
+// how 32 floats become 16 dwords of bf16 pairs (bf16_pairs, or one vcvtne2ps2bf16 where the CPU has
+// AVX512_BF16: the conversion was half this function's instructions).
+template <int64_t F, typename Pairs>
+inline void dequantize_16_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int32_t* out, Pairs&& pairs) {
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
+  alignas(64) int32_t stage[16][bw / 2];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < 16; ++r) {
+      decode<F>(w + r * row_bytes + b * bb, [&](int64_t i, __m512 w0, __m512 w1) {
+        _mm512_store_si512(stage[r] + i / 2, pairs(w0, w1));
+      });
+    }
+    for (int64_t j0 = 0; j0 < bw / 2; j0 += 16) {
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(stage[r] + j0);
+      transpose_16x16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (b * bw / 2 + j0 + j) * kTileRows, v[j]);
+    }
+  }
+}
+
+// Compiled for AVX512_BF16 (the lambda too: a target attribute would not reach it), called only
+// where the CPU has it.
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+template <int64_t F>
+void dequantize_16_rows_native(const uint8_t* w, int64_t row_bytes, int64_t nb, int32_t* out) {
+  dequantize_16_rows<F>(w, row_bytes, nb, out, [](__m512 w0, __m512 w1) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0));
+  });
+}
+#pragma GCC pop_options
+
+template <int64_t F>
+void dequantize_16_rows_portable(const uint8_t* w, int64_t row_bytes, int64_t nb, int32_t* out) {
+  dequantize_16_rows<F>(w, row_bytes, nb, out, bf16_pairs);
+}
+
+bool has_brgemm_bf16() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+template <int64_t F>
+void linear_bf16_tiled_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t M, int64_t N,
+                            int64_t K) {
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
+  const int64_t nb = K / bw, row_bytes = nb * bb, tiles = (N + kTileRows - 1) / kTileRows;
+  static const bool native_bf16 = __builtin_cpu_supports("avx512bf16");
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> tile(K / 2 * kTileRows);  // pair j (inputs 2j, 2j + 1) of row n at [j * kTileRows + n]
+    std::vector<float> acc(kTileM * kTileRows);
+    const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(kTileRows));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      int64_t n = 0;
+      for (; n + 16 <= rows; n += 16) {
+        if (native_bf16) dequantize_16_rows_native<F>(w + (n0 + n) * row_bytes, row_bytes, nb, tile.data() + n);
+        else dequantize_16_rows_portable<F>(w + (n0 + n) * row_bytes, row_bytes, nb, tile.data() + n);
+      }
+      for (; n < rows; ++n) {  // a last tile's rows past a multiple of 16: one row at a time
+        const uint8_t* wn = w + (n0 + n) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          decode<F>(wn + b * bb, [&](int64_t i, __m512 w0, __m512 w1) {
+            // 32 weights -> 16 pairs, each to its own VNNI row of the tile.
+            _mm512_i32scatter_epi32(tile.data() + (b * bw + i) / 2 * kTileRows + n, stride, bf16_pairs(w0, w1), 4);
+          });
+        }
+      }
+      const __mmask16 tail = static_cast<__mmask16>((1u << (rows % 16)) - 1);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+        const int64_t mt = std::min(kTileM, M - m0);
+        at::native::cpublas::brgemm(mt, rows, K, K, kTileRows, kTileRows, false,
+                                    reinterpret_cast<const at::BFloat16*>(x + m0 * K),
+                                    reinterpret_cast<const at::BFloat16*>(tile.data()), acc.data(), true);
+        for (int64_t m = 0; m < mt; ++m) {
+          auto* out = reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0);
+          const float* a = acc.data() + m * kTileRows;
+          int64_t c = 0;
+          for (; c + 16 <= rows; c += 16) _mm256_storeu_si256(out + c / 16, to_bf16(_mm512_loadu_ps(a + c)));
+          if (c < rows) _mm256_mask_storeu_epi16(out + c / 16, tail, to_bf16(_mm512_maskz_loadu_ps(tail, a + c)));
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+#else
+
+bool has_brgemm_bf16() { return false; }
+
+template <int64_t F>
+void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "linear_bf16_tiled needs the AVX-512 build");
+}
+
+#endif
+
 template <typename Fn>
 void by_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
@@ -499,6 +658,20 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   return y;
 }
 
+// x [M, K] bfloat16 contiguous -> y [M, N] bfloat16 (float32 accumulation); see the tiled kernel above.
+at::Tensor linear_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [M, K]");
+  TORCH_CHECK(has_brgemm_bf16(), "linear_bf16_tiled needs oneDNN's bf16 brgemm, which this CPU or torch build lacks");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, fmt, K);
+  auto y = at::empty({M, N}, x.options());
+  by_format(fmt, [&](auto F) {
+    linear_bf16_tiled_impl<decltype(F)::value>(x.data_ptr<c10::BFloat16>(), w.data_ptr<uint8_t>(),
+                                               y.data_ptr<c10::BFloat16>(), M, N, K);
+  });
+  return y;
+}
+
 // w [N, row bytes] -> [N, K] float32, or bfloat16 (each weight rounded once) when bf16.
 at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   check_weight(w, fmt, K);
@@ -516,7 +689,12 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
             std::memcpy(out.data_ptr<float>() + n * K + b * bw, buf, bw * sizeof(float));
           } else {
             c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + n * K + b * bw;
+#if defined(CPU_CAPABILITY_AVX512)
+            for (int64_t i = 0; i < bw; i += 16)  // c10's scalar rounding cost 4x the decoding
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16(_mm512_loadu_ps(buf + i)));
+#else
             for (int64_t i = 0; i < bw; ++i) o[i] = c10::BFloat16(buf[i]);
+#endif
           }
         }
       }
@@ -530,6 +708,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ dequant(w)^T, blocks dequantized to float in registers");
   m.def("linear_q8", &linear_q8, "x @ dequant(w)^T with x quantized to int8 per 32-block (integer dots)");
+  m.def("linear_bf16_tiled", &linear_bf16_tiled, "bf16 x @ dequant(w)^T: bf16 weight tiles in L2, brgemm");
+  m.def("has_brgemm_bf16", &has_brgemm_bf16, "whether linear_bf16_tiled can run here");
   m.def("dequantize", &dequantize, "block-quantized rows -> float32 / bfloat16 [N, K]");
   m.def("has_vnni", &has_vnni, "whether linear_q8 runs on AVX-512 VNNI");
 }

@@ -8,8 +8,12 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
   M <= DEQUANT_GEMM_ROWS   linear_f32: each block dequantized to float in registers and FMA'd
                            against up to 4 rows at once; exact float math, so it agrees with the
                            dequantize-then-matmul reference to summation order.
-  M >  DEQUANT_GEMM_ROWS   the whole weight dequantized to the activations' dtype, then F.linear
-                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
+  M >  DEQUANT_GEMM_ROWS   bf16 activations: linear_bf16_tiled, 64 weight rows at a time
+                           dequantized to bf16 into a tile that stays in L2 and multiplied by
+                           oneDNN's brgemm (AMX here), up to TILED_GEMM_ROWS rows, or at any M for a
+                           weight too big to reuse from cache (an LM head); otherwise the whole
+                           weight dequantized to the activations' dtype, then F.linear (oneDNN/MKL
+                           GEMM): the dequantization is paid once for M rows.
 linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI, as
 llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
 benchmarks/quant/README.md.
@@ -37,6 +41,11 @@ FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # the formats linear_q8 reads
 # Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
 DEQUANT_GEMM_ROWS = 16
+# Up to this many rows the tiled kernel beats dequantizing the whole weight first, for every layer
+# shape of the default model (1 thread, benchmarks/quant/README.md); past it only for weights of at
+# least TILED_GEMM_WEIGHTS elements, whose dequantized copy would not stay in cache.
+TILED_GEMM_ROWS = 128
+TILED_GEMM_WEIGHTS = 8 << 20
 
 
 def _check(blocks: torch.Tensor, fmt: str) -> int:
@@ -62,11 +71,30 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > DEQUANT_GEMM_ROWS:
+        if x.dtype == torch.bfloat16 and _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1]):
+            y = load_quant().linear_bf16_tiled(rows.contiguous(), blocks, kernel_id)
+            if bias is not None:
+                y += bias
+            return y.reshape(*x.shape[:-1], blocks.shape[0])
         return F.linear(x, dequantize(blocks, fmt, x.dtype), bias)
     y = load_quant().linear_f32(rows.float().contiguous(), blocks, kernel_id)
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+
+
+def _tiled(rows: int, weights: int) -> bool:
+    return (rows <= TILED_GEMM_ROWS or weights >= TILED_GEMM_WEIGHTS) and has_brgemm_bf16()
+
+
+def has_brgemm_bf16() -> bool:
+    """Whether linear_bf16_tiled runs here (oneDNN's bf16 brgemm: AVX512_BF16 or AMX)."""
+    if not _brgemm:
+        _brgemm.append(bool(load_quant().has_brgemm_bf16()))
+    return _brgemm[0]
+
+
+_brgemm: list[bool] = []
 
 
 def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
