@@ -299,11 +299,17 @@ def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
     return target if target in params else None
 
 
-def _block_holder(modules: dict[str, torch.nn.Module], target: str) -> torch.nn.Module | None:
-    """The linear layer whose weight `target` is, when it can keep its weight as blocks
-    (quantize_weight); None for any other parameter (embeddings, norms, experts, biases)."""
+def _block_holder(modules: dict[str, torch.nn.Module], target: str, vocabulary: bool = False) -> torch.nn.Module | None:
+    """The layer whose weight `target` is, when it can keep its weight as blocks (quantize_weight):
+    a linear layer, or with `vocabulary` (a GGUF file's own blocks) an embedding or LM head too
+    (quantizing a float checkpoint leaves those float, as vLLM does); None for any other parameter
+    (norms, experts, biases)."""
+    from engine.layers.embedding import VocabParallelEmbedding
+
     module = modules.get(target.rpartition(".")[0])
-    return module if target.endswith(".weight") and hasattr(module, "quantize_weight") else None
+    if not target.endswith(".weight") or not hasattr(module, "quantize_weight"):
+        return None
+    return module if vocabulary or not isinstance(module, VocabParallelEmbedding) else None
 
 
 def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
@@ -327,7 +333,7 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
         if tensors.gguf_weights == "dequantize":
             dequantized += [f"{g} ({k})" for _, g, k in group if k not in FLOAT_TYPES]
             continue
-        module = _block_holder(modules, target)
+        module = _block_holder(modules, target, vocabulary=True)
         holder = module is not None
         if holder and len(kinds) == 1 and next(iter(kinds)) in FORMATS:
             module.quantize_weight(FORMATS[kinds.pop()])
@@ -340,6 +346,8 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
             why = ("no native kernel for it yet" if k not in FORMATS else
                    "its layer mixes types" if holder else "its parameter keeps float weights")
             dequantized.append(f"{g} ({k}, {why})")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # a tied LM head now reads the embedding's blocks
     if dequantized:
         how = "as asked (gguf_weights='dequantize')" if tensors.gguf_weights == "dequantize" else "not natively"
         more = f", ... ({len(dequantized) - 4} more)" if len(dequantized) > 4 else ""

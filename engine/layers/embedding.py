@@ -1,4 +1,9 @@
-"""Vocab-parallel embedding and LM head: each rank owns a contiguous slice of the vocabulary."""
+"""Vocab-parallel embedding and LM head: each rank owns a contiguous slice of the vocabulary.
+
+Either holds its rows as float (the model's dtype) or, after quantize_weight(format), as a GGUF block
+format's raw blocks (a GGUF file's token_embd / output tensors kept as stored): the lookup then
+dequantizes only the rows it reads, and the LM head multiplies by the blocks with the format's
+matmul, so a tied vocabulary matrix is held, and read each step, at its stored size."""
 
 from __future__ import annotations
 
@@ -8,9 +13,13 @@ from torch import nn
 
 from engine.distributed.state import tp_all_gather_last_dim, tp_all_reduce, tp_state
 from engine.layers.context import get_forward_context
+from engine.layers.linear import copy_rows, block_parameter
+from engine.quant import BlockFormat
 
 
 class VocabParallelEmbedding(nn.Module):
+    quant_format: BlockFormat | None = None  # set by quantize_weight
+
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         tp = tp_state()
@@ -19,17 +28,29 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.dtype = self.weight.dtype  # of the rows looked up, whatever the weight is held as
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        rows = loaded[self.start: self.start + self.per_rank]
-        param.data[: rows.shape[0]].copy_(rows)
+    def quantize_weight(self, fmt: BlockFormat) -> None:
+        """Hold the rows as `fmt`'s raw blocks from now on (before the checkpoint loads)."""
+        self.weight = block_parameter(self.weight, fmt)
+        self.quant_format = fmt
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
+        copy_rows(param, 0, rows, loaded.narrow(0, self.start, rows))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_format is None:
+            return F.embedding(ids, self.weight)
+        rows = self.quant_format.dequantize(self.weight.index_select(0, ids.reshape(-1)))
+        return rows.to(self.dtype).reshape(*ids.shape, -1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_state().size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.per_rank)
-        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mine.unsqueeze(-1)
+        out = self._rows(local.clamp(0, self.per_rank - 1)) * mine.unsqueeze(-1)
         return tp_all_reduce(out)
 
 
@@ -38,7 +59,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight = None  # set by engine.layers.linear.pack_weights
 
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        """Use the embedding's matrix (as it is held: float, or blocks) as this head's weight."""
+        self.weight = embedding.weight
+        self.quant_format = embedding.quant_format
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = get_forward_context().backend.linear(hidden, self.weight, None, self.packed_weight)
+        backend = get_forward_context().backend
+        if self.quant_format is not None:
+            local = self.quant_format.linear(hidden, self.weight, None, backend.name)
+        else:
+            local = backend.linear(hidden, self.weight, None, self.packed_weight)
         logits = tp_all_gather_last_dim(local)
         return logits[..., : self.vocab_size]

@@ -45,12 +45,14 @@ def weight_bytes_summary(model: nn.Module) -> str:
         storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
     total = sum(storages.values()) + packed_bytes(model)
     quantized: dict[str, list[int]] = {}
+    seen = set()  # a tied LM head's blocks are the embedding's: one matrix
     for m in model.modules():
-        if getattr(m, "quant_format", None) is not None:
+        if getattr(m, "quant_format", None) is not None and m.weight.data_ptr() not in seen:
+            seen.add(m.weight.data_ptr())
             entry = quantized.setdefault(m.quant_format.name, [0, 0])
             entry[0] += 1
             entry[1] += m.weight.numel()
-    parts = ", ".join(f"{n} layers {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
+    parts = ", ".join(f"{n} matrices {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
     return f"{total / 2**20:.1f} MiB" + (f" (as GGUF blocks: {parts})" if parts else "")
 
 
@@ -66,7 +68,18 @@ def _param(*shape: int, loader) -> nn.Parameter:
     return p
 
 
-def _copy_rows(param: nn.Parameter, offset: int, size: int, loaded) -> None:
+def block_parameter(weight: nn.Parameter, fmt: BlockFormat) -> nn.Parameter:
+    """A float weight's replacement holding `fmt`'s raw blocks for the same rows, zero-filled (a
+    zero block dequantizes to zeros: a vocabulary's padding rows), with the same weight_loader."""
+    rows, in_features = weight.shape
+    blocks = nn.Parameter(torch.zeros(rows, fmt.row_bytes(in_features), dtype=torch.uint8, device=weight.device),
+                          requires_grad=False)
+    blocks.weight_loader = weight.weight_loader
+    blocks.quant_format = fmt
+    return blocks
+
+
+def copy_rows(param: nn.Parameter, offset: int, size: int, loaded) -> None:
     """param rows offset..offset + size <- `loaded` (a float tensor, or a QuantizedTensor for a
     quantized parameter: then its blocks, as stored)."""
     quantized = isinstance(loaded, QuantizedTensor)
@@ -91,16 +104,12 @@ class _Linear(nn.Module):
 
     def quantize_weight(self, fmt: BlockFormat) -> None:
         """Hold the weight as `fmt`'s raw blocks from now on (before the checkpoint loads)."""
-        rows, in_features = self.weight.shape
+        in_features = self.weight.shape[1]
         if in_features % fmt.block_size:
             raise ValueError(f"{in_features} inputs per rank are not whole {fmt.name} blocks of {fmt.block_size}: "
                              "use a tensor-parallel size that keeps them whole, or float weights (a GGUF with "
                              "--gguf-weights dequantize; a float checkpoint without --quantization)")
-        blocks = nn.Parameter(torch.empty(rows, fmt.row_bytes(in_features), dtype=torch.uint8,
-                                          device=self.weight.device), requires_grad=False)
-        blocks.weight_loader = self.weight.weight_loader
-        blocks.quant_format = fmt
-        self.weight = blocks
+        self.weight = block_parameter(self.weight, fmt)
         self.quant_format = fmt
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +132,7 @@ class ColumnParallelLinear(_Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank = tp_state().rank
-        _copy_rows(param, 0, self.out_per_rank, loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
+        copy_rows(param, 0, self.out_per_rank, loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -140,7 +149,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = tp_state()
         size = self.out_sizes[shard_id] // tp.size
         offset = sum(self.out_sizes[:shard_id]) // tp.size
-        _copy_rows(param, offset, size, loaded.narrow(0, tp.rank * size, size))
+        copy_rows(param, offset, size, loaded.narrow(0, tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -174,7 +183,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_head = (tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size
                        else tp.rank * self.num_kv_heads)
             start = kv_head * self.head_dim
-        _copy_rows(param, offset, size, loaded.narrow(0, start, size))
+        copy_rows(param, offset, size, loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(_Linear):
@@ -194,7 +203,7 @@ class RowParallelLinear(_Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank = tp_state().rank
-        _copy_rows(param, 0, param.shape[0], loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
+        copy_rows(param, 0, param.shape[0], loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)

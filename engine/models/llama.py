@@ -144,9 +144,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_positions, layer_range, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.norm is not None else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head reads the embedding's matrix; again after the loader
+        changes how the embedding holds it (quantize_weight). A last pipeline stage without the
+        embeddings keeps its own copy as the head (loaded from them)."""
         if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
-            # A last stage without the embeddings keeps its own copy as the head (loaded from them).
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     @staticmethod
     def make_mlp(cfg, layer: int) -> nn.Module:

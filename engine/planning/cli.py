@@ -128,8 +128,8 @@ def add_weight_format_flags(g) -> None:
                         "--quantization`; fp8 (8 bits and a float32 scale per tensor, vLLM's)")
     g.add_argument("--weight-format", type=gguf_type_arg, metavar="TYPE",
                    help="linear layers in a GGUF file's block type: Q8_0 (8.5 bits), Q4_0 (4.5), Q4_1 (5.0), "
-                        "Q4_K (4.5), Q6_K (6.5625); embeddings, LM head and norms at --dtype, as the engine holds "
-                        "them")
+                        "Q4_K (4.5), Q6_K (6.5625); embeddings, LM head and norms at --dtype (the engine holds a GGUF "
+                        "file's embedding and LM head blocks as stored: such a file's own size is its weights)")
 
 
 def add_parser(subparsers) -> None:

@@ -6,8 +6,9 @@ n / block_size x block_bytes bytes, and a tensor-parallel shard the same rule on
 whole; input columns split in whole blocks, engine/quant/formats.py). Bits per weight = 8 x block_bytes /
 block_size.
 
-Which tensors a format applies to is the engine's rule (spec.ParamTensor.storage): linear layers' weights;
-embeddings, the LM head, norms and biases stay at the model's dtype, the MoE router in float32, and routed
+Which tensors a format applies to is the engine's rule for `--quantization` (spec.ParamTensor.storage):
+linear layers' weights; embeddings, the LM head, norms and biases stay at the model's dtype (a GGUF file's
+own embedding and LM head blocks are held as stored, engine/layers/embedding.py), the MoE router in float32, and routed
 experts at the model's dtype (the engine's fused experts have no quantized path: a GGUF's expert blocks are
 dequantized at load, engine/loader.py).
 """

@@ -155,9 +155,8 @@ def test_native_k_quant_gguf_generates_the_dequantized_tokens(tmp_path, tiny, ar
 
 def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
     """llama.cpp's Q4_K_M recipe mixes Q4_K and Q6_K tensors: each layer whose tensors share one
-    type keeps it; a merged layer whose parts differ (here layer 0's q/k Q4_K, v Q6_K) and the LM
-    head (float today) are served from float weights, said so in the log; the tokens are the
-    dequantized file's."""
+    type keeps it (the LM head its Q6_K); a merged layer whose parts differ (here layer 0's q/k Q4_K,
+    v Q6_K) is served from float weights, said so in the log; the tokens are the dequantized file's."""
     folder = tiny("llama", wide=True)
     path = tmp_path / "q4_k_m.gguf"
     six = {"output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}
@@ -170,7 +169,7 @@ def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
     assert layers["1"].self_attn.qkv_proj.quant_format.name == "Q4_K"
     assert layers["0"].mlp.gate_up_proj.quant_format.name == "Q4_K"
     assert layers["1"].mlp.down_proj.quant_format.name == "Q6_K"
-    assert "output.weight (Q6_K, its parameter keeps float weights)" in caplog.text
+    assert model.lm_head.quant_format.name == "Q6_K" and "output.weight" not in caplog.text
     assert greedy(path, folder, dtype="float32") == greedy(path, folder, dtype="float32", gguf_weights="dequantize")
 
 
@@ -184,23 +183,34 @@ def _loaded(path, gguf_weights: str = "native"):
     return model
 
 
-def test_linear_layers_hold_blocks_and_the_embedding_floats(tmp_path, tiny, caplog):
-    folder = tiny("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings
+def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog, arch):
+    """Every matrix stays as stored: the linear layers, the embedding (a lookup dequantizes only the
+    rows it reads) and the LM head, which with tied embeddings is the embedding's own blocks."""
+    folder = tiny(arch)
     path = tmp_path / "q.gguf"
-    write_gguf(path, folder, "llama", "Q4_1")
+    write_gguf(path, folder, arch, "Q4_1", override={"token_embd.weight": "Q8_0"})
     with caplog.at_level(logging.INFO, logger="engine.loader"):
         model = _loaded(path)
     layer = model.model.layers["0"]
     assert layer.self_attn.qkv_proj.quant_format.name == "Q4_1"
     assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
     assert layer.mlp.down_proj.quant_format.name == "Q4_1"
-    assert model.model.embed_tokens.weight.dtype == torch.float32
-    assert "token_embd.weight (Q4_1" in caplog.text  # dequantized, and said so
+    embed = model.model.embed_tokens
+    assert embed.quant_format.name == "Q8_0" and embed.weight.dtype == torch.uint8
+    if arch == "qwen2":
+        assert model.lm_head.weight is embed.weight and model.lm_head.quant_format is embed.quant_format
+    else:
+        assert model.lm_head.quant_format.name == "Q4_1"
+    assert "dequantized" not in caplog.text
 
     floats = _loaded(path, gguf_weights="dequantize")
     assert floats.model.layers["0"].self_attn.qkv_proj.quant_format is None
     w = floats.model.layers["0"].self_attn.qkv_proj.weight
     assert torch.equal(layer.self_attn.qkv_proj.quant_format.dequantize(layer.self_attn.qkv_proj.weight), w)
+    ids = torch.tensor([[0, 5, 7], [model.config.vocab_size - 1, 3, 3]])
+    assert torch.equal(embed(ids), floats.model.embed_tokens(ids))  # gguf's dequantization, row by row
+    assert torch.equal(model.lm_head.quant_format.dequantize(model.lm_head.weight), floats.lm_head.weight)
 
 
 def test_mixed_types_in_one_layer_are_dequantized_with_a_log_line(tmp_path, tiny, caplog):

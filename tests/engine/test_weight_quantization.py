@@ -266,7 +266,7 @@ def test_bf16_checkpoint_and_the_start_up_log(tmp_path, folders, caplog):
         llm.shutdown()
     assert "--quantization int8: 8 linear layers quantized at load" in caplog.text
     assert "8.5 bits per weight stored" in caplog.text
-    assert "weights resident:" in caplog.text and "8 layers Q8_0" in caplog.text
+    assert "weights resident:" in caplog.text and "8 matrices Q8_0" in caplog.text
 
 
 def test_float_gguf_quantizes_at_load(tmp_path, folders):

@@ -124,6 +124,24 @@ def test_cpu_linear_matches_dequantized_reference(fmt, dtype, nblocks):
         assert ((got.double() - want).abs() <= _tolerance(x, w, rel) + rel * bias.double().abs()).all(), (m, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
+    """linear_bf16_tiled at shapes the linear test above does not reach: several tiles of 64 weight
+    rows plus a tail that is not a multiple of 16 (150 = 64 + 64 + 16 + 6), and activation rows past
+    one brgemm call of 32 (33) and past TILED_GEMM_ROWS (150: what an LM head takes there)."""
+    _cpu_kernels_or_skip()
+    if not cpu_quant.has_brgemm_bf16():
+        pytest.skip("no bf16 brgemm on this CPU: bfloat16 rows above DEQUANT_GEMM_ROWS dequantize the whole weight")
+    n, k = 150, _k(fmt, 3)
+    blocks, w = _weight(fmt, n, k, seed=n)
+    for m in (17, 33, 150):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        got = cpu_build.load_quant().linear_bf16_tiled(x, blocks, cpu_quant.FORMATS[fmt].id)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # the weights' rounding to bfloat16, then the output's
+        assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
+
+
 def test_cpu_linear_takes_leading_dims():
     _cpu_kernels_or_skip()
     for fmt in ("Q4_1", "Q6_K"):
