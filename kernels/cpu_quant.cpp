@@ -302,8 +302,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
 
 #endif
 
-template <int64_t F>
-void linear_f32_impl(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <int64_t F, typename Out>
+void linear_f32_impl(const float* x, const uint8_t* w, Out* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / kBlockWeights[F], row_bytes = nb * kBlockBytes[F];
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
     float out[4];
@@ -318,7 +318,7 @@ void linear_f32_impl(const float* x, const uint8_t* w, float* y, int64_t M, int6
           case 2: dot_rows<F, 2>(wn, nb, xm, K, out); break;
           default: dot_rows<F, 1>(wn, nb, xm, K, out); break;
         }
-        for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = out[r];
+        for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = static_cast<Out>(out[r]);
       }
     }
   });
@@ -628,14 +628,30 @@ void by_format(int64_t fmt, Fn&& fn) {
 
 // ---- the ops -------------------------------------------------------------------------------------
 
-// x [M, K] float32 contiguous, w [N, K / block weights * block bytes] uint8 -> y [M, N] float32.
+// x [M, K] float32 or bfloat16 contiguous, w [N, K / block weights * block bytes] uint8 -> y [M, N] in
+// x's dtype. bf16 rows are widened here and the sums rounded once on the way out: at one row the two
+// conversions as separate torch ops cost more host time than the matmul of a small projection.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, fmt, K);
   auto y = at::empty({M, N}, x.options());
+  std::vector<float> widened;
+  const float* xf = nullptr;
+  if (bf16) {
+    widened.resize(M * K);
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xb[i]);
+    xf = widened.data();
+  } else {
+    xf = x.data_ptr<float>();
+  }
   by_format(fmt, [&](auto F) {
-    linear_f32_impl<decltype(F)::value>(x.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+    constexpr int64_t f = decltype(F)::value;
+    if (bf16) linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
+    else linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
   });
   return y;
 }

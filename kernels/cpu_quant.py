@@ -77,6 +77,11 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
                 y += bias
             return y.reshape(*x.shape[:-1], blocks.shape[0])
         return F.linear(x, dequantize(blocks, fmt, x.dtype), bias)
+    if x.dtype in (torch.float32, torch.bfloat16):  # the kernel reads and writes these itself
+        y = load_quant().linear_f32(rows.contiguous(), blocks, kernel_id)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], blocks.shape[0])
     y = load_quant().linear_f32(rows.float().contiguous(), blocks, kernel_id)
     if bias is not None:
         y += bias
