@@ -19,9 +19,9 @@ CPU_KV_CACHE_MEMORY = 2 * GiB  # the KV budget on CPU when kv_cache_memory is no
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GGUF_WEIGHTS = ("native", "dequantize")
-# --quantization: int8 / int4 quantize a float checkpoint at load (engine/quant/quantize.py); the
-# others are vLLM's method names for pre-quantized checkpoints (engine/quant/prequantized.py).
-QUANTIZATIONS = ("int8", "int4", "gptq", "awq", "compressed-tensors")
+# --quantization: int8 / int4 / fp8 quantize a float checkpoint at load (engine/quant/quantize.py);
+# the others are vLLM's method names for pre-quantized checkpoints (engine/quant/prequantized.py).
+QUANTIZATIONS = ("int8", "int4", "fp8", "gptq", "awq", "compressed-tensors")
 QUANTIZATION_GROUP_SIZES = (32, 128)
 # The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
 # vLLM's "fp8" KV cache is e4m3; it also takes the explicit name.
@@ -71,7 +71,8 @@ class EngineConfig:
                                         "at load, as before)")
     quantization: str | None = _knob(None, "weight-only quantization: int8 (per-channel symmetric) or int4 "
                                            "(asymmetric, groups of --quantization-group-size inputs) applied at load "
-                                           "to a float checkpoint, kept as GGUF Q8_0 / Q4_1 blocks; gptq, awq, "
+                                           "to a float checkpoint, kept as GGUF Q8_0 / Q4_1 blocks; fp8 (e4m3, "
+                                           "a float32 scale per tensor, vLLM's; triton and torch backends); gptq, awq, "
                                            "compressed-tensors: read a pre-quantized checkpoint as that method "
                                            "(detected from config.json without the flag) (default: none)")
     quantization_group_size: int = _knob(128, "--quantization int4: input channels sharing one scale and min, "

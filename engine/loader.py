@@ -128,16 +128,17 @@ def _check_folder_quantization(path: str, quantization: str | None, config_json:
     """The pre-quantized reader config.json asks for (None for a float checkpoint), checked against
     --quantization."""
     from engine.quant.prequantized import read_quantization_config
+    from engine.quant.quantize import AT_LOAD_METHODS
 
     reader = read_quantization_config(config_json)
-    if reader is not None and quantization in ("int8", "int4"):
+    if reader is not None and quantization in AT_LOAD_METHODS:
         raise ValueError(f"--quantization {quantization}: {path} is already quantized ({reader.method}, says its "
                          f"config.json), and is read as such: drop --quantization")
-    if quantization not in (None, "int8", "int4"):
+    if quantization not in (None, *AT_LOAD_METHODS):
         if reader is None:
             raise ValueError(f"--quantization {quantization}: {path} is not a pre-quantized checkpoint (its "
                              "config.json has no quantization_config): drop the flag, or quantize it at load "
-                             "with --quantization int8 or int4")
+                             "with --quantization int8, int4 or fp8")
         if reader.method != quantization:
             raise ValueError(f"--quantization {quantization}: {path} is a {reader.method} checkpoint (says its "
                              f"config.json): drop the flag (the method is detected) or pass {reader.method}")
@@ -279,10 +280,12 @@ class GGUFTensors:
 
 
 def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
+    from engine.quant.quantize import AT_LOAD_METHODS
+
     if source.prequantized is not None:
         return PrequantizedTensors(SafetensorsFolder(source.path), source.prequantized)
     tensors = GGUFTensors(source.path, source.gguf_weights) if source.is_gguf else SafetensorsFolder(source.path)
-    if source.quantization in ("int8", "int4"):
+    if source.quantization in AT_LOAD_METHODS:
         names = list(tensors.types) if source.is_gguf else list(tensors.files)
         return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size)
     return tensors

@@ -135,6 +135,10 @@ class ModelRunner:
         self.attn_backend = kernels.resolve_backend(config.attention_backend, self.device.type)
         self.backend = kernels.get_backend(self.attn_backend)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.attn_backend, self.device)
+        if config.quantization == "fp8" and self.attn_backend == "cpu":
+            raise ValueError("quantization 'fp8' (--quantization fp8): the cpu backend has no fp8 matmul; serve fp8 "
+                             "weights on a CUDA GPU (triton backend), use --quantization int8 (its CPU kernels), or "
+                             "--attention-backend torch (dequantizes each call: slow)")
         hf = source.hf_config
         self.hf_config = hf
         self.block_size = config.block_size
@@ -192,6 +196,14 @@ class ModelRunner:
                                      device=self.device, kv_cache_dtype=self.kv_dtype,
                                      hidden_size=self.model.config.hidden_size, intermediate_sizes=tuple(sorted(ffn)),
                                      qk_norm=attn.qk_norm)
+        # Quantized linears (kernels/triton_quant.py): every tile and K split up to a full token budget.
+        from engine.layers.linear import RowParallelLinear
+        from kernels import triton_quant
+
+        quantized = [(m.quant_format.name, m.weight,
+                      None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None))  # its matmul's bias
+                     for m in self.model.modules() if getattr(m, "quant_format", None) is not None]
+        launches += triton_quant.warmup(quantized, self.dtype, self.device, self.config.max_num_batched_tokens)
         logger.info("Triton kernels compiled for every step shape: %d launches, %.1f s", launches,
                     time.perf_counter() - start)
 

@@ -125,7 +125,8 @@ def add_weight_format_flags(g) -> None:
     g.add_argument("--quantization", "-q", type=quantization_arg, metavar="METHOD",
                    help="linear layers quantized at load: int8 (stored as Q8_0 blocks, 8.5 bits a weight with its "
                         "scales) or int4 (Q4_1 blocks, 5.0 bits, groups of 32 or 128), as `engine serve "
-                        "--quantization`; fp8 (8 bits and a float32 scale per tensor, vLLM's)")
+                        "--quantization`; fp8 (e4m3 blocks of 32 with the tensor's float32 scale, 9.0 bits; vLLM's own "
+                        "layout is 8 bits and one scale per tensor)")
     g.add_argument("--weight-format", type=gguf_type_arg, metavar="TYPE",
                    help="linear layers in a GGUF file's block type: Q8_0 (8.5 bits), Q4_0 (4.5), Q4_1 (5.0), "
                         "Q4_K (4.5), Q6_K (6.5625); embeddings, LM head and norms at --dtype (the engine holds a GGUF "

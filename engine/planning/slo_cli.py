@@ -48,8 +48,8 @@ def add_slo_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def engine_quantizations() -> tuple[str, ...]:
-    """The planner's --quantization methods `engine serve --quantization` takes too (not fp8, vLLM's); a GGUF's
-    block type is the file's own and needs no flag."""
+    """The planner's --quantization methods `engine serve --quantization` takes too; a GGUF's block type is the
+    file's own and needs no flag."""
     import engine.config
 
     return tuple(f.name for f in ENGINE_FORMATS if f.name in getattr(engine.config, "QUANTIZATIONS", ()))

@@ -56,13 +56,13 @@ _GGUF = {f.name: f for f in GGUF_FORMATS}
 # `--quantization` of the engine (applied at load to a float checkpoint), stored as GGUF blocks so that one
 # set of kernels serves both: int8 as Q8_0 (a scale per 32 weights); int4 as Q4_1 (asymmetric: a scale and a
 # min per 32 weights; a group of 128 shares its scale but is still stored as four Q4_1 blocks, so 5.0 bits
-# either way). fp8 (e4m3): one byte a weight and one float32 scale per tensor, as vLLM's Fp8LinearMethod
-# keeps it (vllm/model_executor/layers/quantization/fp8.py: PerTensorScaleParameter, float32, one per
-# logical output partition, i.e. one per checkpoint tensor).
+# either way). fp8 (e4m3) as the engine keeps it (engine/quant/fp8.py): F8_E4M3 blocks of 32 bytes and the
+# tensor's float32 scale repeated in each, 9 bits a weight, where vLLM's Fp8LinearMethod keeps one byte a weight
+# and one float32 per tensor (vllm/model_executor/layers/quantization/fp8.py: PerTensorScaleParameter), 8 bits.
 ENGINE_FORMATS = (
     WeightFormat("int8", 32, 34, stored_as="Q8_0"),
     WeightFormat("int4", 32, 20, stored_as="Q4_1"),
-    WeightFormat("fp8", 1, 1, tensor_bytes=4),
+    WeightFormat("fp8", 32, 36),
 )
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (*ENGINE_FORMATS, *GGUF_FORMATS)}
 assert all(_GGUF[f.stored_as].block_bytes == f.block_bytes for f in ENGINE_FORMATS if f.stored_as)
@@ -87,7 +87,7 @@ def _arg(names: tuple[str, ...], hint: str):
     return parse
 
 
-# argparse types: `--quantization` takes the engine's at-load methods (and vLLM's fp8), `--weight-format` a GGUF
+# argparse types: `--quantization` takes the engine's at-load methods, `--weight-format` a GGUF
 # file's block type (the engine reads that from the file itself).
 quantization_arg = _arg(tuple(f.name for f in ENGINE_FORMATS),
                         "; a pre-quantized GPTQ / AWQ / compressed-tensors checkpoint is converted at load to GGUF "

@@ -15,6 +15,7 @@ then F.linear) and the oracle the cpu backend's C++ kernels are tested against.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -109,10 +110,13 @@ class BlockFormat:
         return self._dequantize(blocks.reshape(n, -1, self.block_bytes)).reshape(n, -1)
 
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-        """x @ dequantize(blocks)^T + bias in x.dtype: the cpu backend's C++ kernels, else the
+        """x @ dequantize(blocks)^T + bias in x.dtype: the cpu backend's C++ kernels, the triton
+        backend's kernel (kernels/triton_quant.py, on CUDA or under the interpreter), else the
         reference (dequantize each call, then F.linear: correct anywhere, not fast)."""
         if backend == "cpu" and _cpu_kernels() is not None:
             return _cpu_kernels().linear(x, blocks, self.name, bias)
+        if backend == "triton" and _triton_kernels().supports(self.name, x):
+            return _triton_kernels().quant_linear(x, blocks, self.name, bias)
         return reference_linear(x, blocks, self, bias)
 
 
@@ -143,3 +147,11 @@ def _cpu_kernels():
             logger.warning("quantized CPU kernels unavailable (%s); quantized matmuls dequantize each call", e)
             _cpu.append(None)
     return _cpu[0]
+
+
+@functools.cache
+def _triton_kernels():
+    # The triton backend is resolved only where triton imports (kernels.resolve_backend).
+    from kernels import triton_quant
+
+    return triton_quant

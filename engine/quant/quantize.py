@@ -19,6 +19,8 @@ clamped at an end of the range because fp16 rounded d down (or m up): there the 
 values concerned in fp16's normal range. tests/engine/test_weight_quantization.py checks both the
 blocks (byte for byte against a float64 reference) and this bound.
 
+fp8 (e4m3 with a float32 scale per tensor, vLLM's) is engine/quant/fp8.py's, in its F8_E4M3 blocks.
+
 Arithmetic: scales are computed in float64, then rounded float64 -> float32 -> float16 (the
 conversions torch and numpy both define the same way); the quotients in float64, rounded half to
 even. A row of a zero weight gets d = 0 and q = 0.
@@ -29,7 +31,10 @@ from __future__ import annotations
 import torch
 
 from engine.quant.formats import BLOCK_SIZE, FORMATS
+from engine.quant.fp8 import F8_E4M3, FP8_BITS_PER_WEIGHT, quantize_fp8
 from engine.quant.tensor import QuantizedTensor
+
+AT_LOAD_METHODS = ("int8", "int4", "fp8")  # the --quantization methods that quantize float weights at load
 
 INT8_BITS_PER_WEIGHT = 8 * FORMATS["Q8_0"].block_bytes / BLOCK_SIZE  # 8.5
 INT4_BITS_PER_WEIGHT = 8 * FORMATS["Q4_1"].block_bytes / BLOCK_SIZE  # 5.0
@@ -96,8 +101,8 @@ def check_quantizable(in_features: int, method: str, group_size: int, what: str)
                else "use --quantization int8, or no --quantization")
         raise ValueError(f"--quantization int4 --quantization-group-size {group_size}: {what} has {in_features} "
                          f"inputs per row, not a multiple of {group_size}: {fix}")
-    raise ValueError(f"--quantization int8: {what} has {in_features} inputs per row, not a multiple of the "
-                     f"{BLOCK_SIZE}-weight blocks the int8 kernels read: drop --quantization for this model")
+    raise ValueError(f"--quantization {method}: {what} has {in_features} inputs per row, not a multiple of the "
+                     f"{BLOCK_SIZE}-weight blocks the {method} kernels read: drop --quantization for this model")
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
@@ -129,21 +134,29 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
 
 
 def quantize(w: torch.Tensor, method: str, group_size: int = 128) -> QuantizedTensor:
-    """`method` "int8" or "int4" (EngineConfig.quantization) of a float [out, in] weight."""
+    """`method` "int8", "int4" or "fp8" (EngineConfig.quantization) of a float [out, in] weight."""
     if method == "int8":
         return quantize_int8(w)
     if method == "int4":
         return quantize_int4(w, group_size)
-    raise ValueError(f"quantization {method!r} does not quantize float weights at load; int8 and int4 do")
+    if method == "fp8":
+        check_quantizable(w.shape[1], method, BLOCK_SIZE, "this weight")
+        return quantize_fp8(w)  # per tensor, as vLLM's --quantization fp8
+    raise ValueError(f"quantization {method!r} does not quantize float weights at load; {AT_LOAD_METHODS} do")
 
 
 def block_format(method: str):
     """The block format `method`'s weights are kept in."""
+    if method == "fp8":
+        return F8_E4M3
     return FORMATS["Q8_0" if method == "int8" else "Q4_1"]
 
 
 def describe(method: str, group_size: int) -> str:
     """One line for the start-up log: what the layers now hold, and the cost of the shared kernels."""
+    if method == "fp8":
+        return ("fp8 e4m3 weight-only, one float32 scale per tensor (amax / 448, vLLM's), kept as F8_E4M3 blocks "
+                f"with the scale in every 32-block: {FP8_BITS_PER_WEIGHT:g} bits per weight stored")
     if method == "int8":
         return ("int8 per-channel symmetric (scale = amax(row) / 127), kept as Q8_0 blocks with the row's scale "
                 f"in every 32-block: {INT8_BITS_PER_WEIGHT:g} bits per weight stored, the Q8_0 kernels compute "

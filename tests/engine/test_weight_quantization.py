@@ -301,7 +301,6 @@ def test_cli_flags_reach_the_config():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(quantization="int3"), "quantization must be None or one of"),
-    (dict(quantization="fp8"), "quantization must be None or one of"),
     (dict(quantization="int4", quantization_group_size=64), "quantization_group_size must be one of"),
     (dict(quantization="int8", quantization_group_size=32), "quantization_group_size must be left at 128"),
 ])
@@ -339,7 +338,7 @@ def test_method_flags_against_the_checkpoint(tmp_path, folders):
         resolve_model(gptq, quantization="int4")
     with pytest.raises(ValueError, match=r"--quantization awq: .* is a gptq checkpoint.*pass gptq"):
         resolve_model(gptq, quantization="awq")
-    with pytest.raises(ValueError, match=r"--quantization gptq: .* not a pre-quantized checkpoint.*int8 or int4"):
+    with pytest.raises(ValueError, match=r"--quantization gptq: .* not a pre-quantized checkpoint.*int8, int4 or fp8"):
         resolve_model(folder, quantization="gptq")
     bnb = _with_quantization_config(folder, tmp_path / "bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True})
     with pytest.raises(ValueError, match="'bitsandbytes': supported pre-quantized methods are gptq, awq"):

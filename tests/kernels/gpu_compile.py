@@ -2,10 +2,10 @@
 
 Run as a script in a process without TRITON_INTERPRET (the test does that): the interpreter
 accepts programs the GPU compiler rejects, so CPU-only machines also build the real binaries.
-Each launch kernels/triton_ops.py and kernels/triton_moe.py make is recorded instead of run, then
-compiled with the same arguments, constexprs, specialisations and launch options. The start-up
-warm-up (triton_ops.warmup) is recorded too; `--all-warmup-variants` records every variant it
-compiles on a GPU instead (slow). Prints one line per binary; exits non-zero on failure.
+Each launch kernels/triton_ops.py, triton_moe.py and triton_quant.py make is recorded instead of
+run, then compiled with the same arguments, constexprs, specialisations and launch options. The
+start-up warm-up (triton_ops.warmup) is recorded too; `--all-warmup-variants` records every
+variant it compiles on a GPU instead (slow). Prints one line per binary; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_moe, triton_ops
+from kernels import triton_moe, triton_ops, triton_quant
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+                 torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
 if getattr(torch, "float8_e4m3fn", None) is not None:
     POINTER_TYPES[torch.float8_e4m3fn] = "*fp8e4nv"
 # Shared memory one block may use (bytes), per compute capability.
@@ -71,12 +71,14 @@ def job_key(kernel, args, kwargs):
 
 def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False):
     """The launches of a decode batch (with and without split-KV), a prefill, a KV store, an MoE
-    layer's two grouped GEMMs at decode and prefill tiles and its SiLU-and-mul, and the start-up
-    warm-up of a Llama-3.2-1B shape at a short max_model_len (no split counts; the fused norm,
-    rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only: Ampere has no e4m3
-    conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead the warm-ups of the
-    1B shape at 8k context (every tile and split count on an H100's 132 SMs) and of a Qwen3 shape
-    (q/k norms on head-strided rows): what a GPU compiles at start-up, many more binaries."""
+    layer's two grouped GEMMs at decode and prefill tiles and its SiLU-and-mul, the weight-only
+    matmul on each block format (GGUF's and fp8's; decode with split-K, int8's and int4's formats
+    at the prefill tiles too), and the start-up warm-up of a Llama-3.2-1B shape at a short max_model_len (no split
+    counts; the fused norm, rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only:
+    Ampere has no e4m3 conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead
+    the warm-ups of the 1B shape at 8k context (every tile and split count on an H100's 132 SMs)
+    and of a Qwen3 shape (q/k norms on head-strided rows): what a GPU compiles at start-up, many
+    more binaries."""
     calls = []
     names = ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel", "rms_norm_kernel",
              "rotary_write_kv_kernel", "silu_and_mul_kernel")
@@ -84,6 +86,7 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     for name, recorder in recorders.items():
         setattr(triton_ops, name, recorder)
     triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
+    triton_quant.quant_matmul_kernel = Recorder(triton_quant.quant_matmul_kernel, calls)
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
     llama_1b = dict(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, max_model_len=8192,
@@ -120,6 +123,11 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
         ids = torch.randint(0, 2 * experts, (num_tokens, top_k))
         x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
         triton_moe.fused_moe(x, torch.rand(num_tokens, top_k), ids, w13, w2, expert_offset=experts // 2)
+    for fmt, (_, _, block, block_bytes) in triton_quant.FORMATS.items():  # a 2048 x 2048 quantized linear
+        blocks = torch.empty(2048, 2048 // block * block_bytes, dtype=torch.uint8)
+        # decode (split-K partials on 132 SMs); int8's and int4's formats at the prefill tiles too
+        for num_tokens in (1, 40, 512) if fmt in ("Q8_0", "Q4_1") else (1,):
+            triton_quant.quant_linear(torch.empty(num_tokens, 2048, dtype=torch.bfloat16), blocks, fmt)
     triton_ops.warmup(**dict(llama_1b, max_model_len=256))
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None:
@@ -134,8 +142,16 @@ def check_steps_after_warmup() -> int:
     warm-up's launches, then the launches of steps of many batch shapes (1 to 65 sequences, decodes,
     prefill chunks, block tables 1 to 128 blocks wide, metadata at 8-byte offsets into a staging
     buffer as engine/step_inputs.py lays it out), laid out as the model lays out its tensors, and
-    compare what triton.jit would cache each by. Prints every launch that would compile anew."""
+    compare what triton.jit would cache each by. Prints every launch that would compile anew.
+    Quantized linears likewise: triton_quant.warmup's launches for a 1B model's int4 / int8 layer
+    shapes (and a Q6_K LM head), then those layers at 1 to 2048 rows."""
     calls = record_launches(warmup_only=True)
+    quant_layers = []
+    for fmt, n, k in (("Q4_1", 3072, 2048), ("Q4_1", 2048, 2048), ("Q4_1", 16384, 2048), ("Q8_0", 2048, 8192),
+                      ("Q6_K", 128256, 2048)):
+        _, _, block, block_bytes = triton_quant.FORMATS[fmt]
+        quant_layers.append((fmt, torch.empty(n, k // block * block_bytes, dtype=torch.uint8), None))
+    triton_quant.warmup(quant_layers, torch.bfloat16, "cpu", max_num_tokens=2048)
     warm = {job_key(kernel, args, kwargs) for kernel, args, kwargs, _ in calls}
     heads, kv_heads, head_dim, block_size, hidden, inter = 32, 8, 64, 16, 2048, 8192
     dtype = torch.bfloat16
@@ -160,6 +176,10 @@ def check_steps_after_warmup() -> int:
         triton_ops.paged_attention(qk[:, :heads], cache, cache, table, meta[:num_seqs + 1], meta[num_seqs + 1:],
                                    0.125)
         triton_ops.silu_and_mul(torch.empty(num_tokens, 2 * inter, dtype=dtype))
+    for num_tokens in (1, 2, 5, 16, 17, 40, 64, 65, 100, 129, 300, 777, 1500, 2048):
+        for fmt, blocks, _ in quant_layers:
+            k = blocks.shape[1] // triton_quant.FORMATS[fmt][3] * triton_quant.FORMATS[fmt][2]
+            triton_quant.quant_linear(torch.empty(num_tokens, k, dtype=dtype), blocks, fmt)
     new = 0
     for kernel, args, kwargs, _ in calls:
         if job_key(kernel, args, kwargs) not in warm:

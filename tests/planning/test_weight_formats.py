@@ -20,8 +20,9 @@ from tests.tiny_model import build_tiny_model
 
 # Bits per weight, scales included: ggml-common.h's comments ("Effectively 4.5 bits per weight" for Q4_K, 6.5625
 # for Q6_K) and its block sizes; the engine's int8 / int4 are Q8_0 / Q4_1 blocks (engine/quant/quantize.py).
+# fp8: the engine's F8_E4M3 blocks (engine/quant/fp8.py: 32 e4m3 bytes and a float32 scale).
 PUBLISHED_BITS = {"Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.5, "Q6_K": 6.5625, "int8": 8.5, "int4": 5.0,
-                  "fp8": 8.0}
+                  "fp8": 9.0}
 LINEAR = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")
 
 
@@ -120,7 +121,7 @@ def test_plan_serve_weights_equal_the_gguf_files_tensor_bytes(capsys, tmp_path, 
         assert engine_resident_bytes(str(path)) == file_bytes
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, tiny, method):
     from engine.loader import resolve_model
 
@@ -141,8 +142,8 @@ def test_quantized_llama_2_7b_weights_and_their_decode_step():
     vocab, norms = 2 * 32000 * 4096, (2 * 32 + 1) * 4096  # embedding + LM head; RMSNorm weights
     assert linear + vocab + norms == spec.params
     assert weight_bytes_per_gpu(spec, 2, FORMATS["int4"]) == linear * 5 // 8 + 2 * (vocab + norms)
-    # fp8: a byte a weight and a float32 scale for each of the 7 linear tensors of a layer
-    assert weight_bytes_per_gpu(spec, 2, FORMATS["fp8"]) == linear + 4 * 7 * 32 + 2 * (vocab + norms)
+    # fp8: a byte a weight and a float32 scale every 32 weights (the engine's F8_E4M3 blocks)
+    assert weight_bytes_per_gpu(spec, 2, FORMATS["fp8"]) == linear * 36 // 32 + 2 * (vocab + norms)
     # TP 2: each rank holds half of every linear layer's blocks and half the vocabulary; the norms are replicated
     assert weight_bytes_per_gpu(spec, 2, FORMATS["Q4_0"], tp=2) == linear // 2 * 18 // 32 + 2 * (vocab // 2 + norms)
     h100 = Device("H100", 80 << 30, flops=989.5e12, memory_bw=3.35e12)
