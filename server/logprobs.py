@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 
-from server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
 

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.protocol import ErrorResponse
+from server.responses import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 

@@ -1,4 +1,5 @@
-"""OpenAI request and response types (pydantic), and the request -> SamplingParams mapping.
+"""OpenAI request types (pydantic), and the request -> SamplingParams mapping (response bodies:
+server/responses.py).
 
 Requests are strict: a wrong type is an error, not a coercion ("5" is not 5), and any field
 we do not implement is a 400 that names it, never silently dropped. Fields that exist in
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import GRAMMAR_KINDS, SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams
 
@@ -319,165 +320,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, logprobs, None)
 
 
-# --------------------------------------------------------------------------- responses
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM extra)
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaToolCall(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI deltas omit absent keys
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pagewise"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# --------------------------------------------------------------------------- errors
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every 4xx and 5xx body, in OpenAI's shape."""
-
-    error: ErrorInfo
-
-
 # --------------------------------------------------------------------------- tokenize / detokenize (vLLM's shapes)
 
 
@@ -502,20 +344,9 @@ class TokenizeRequest(_Request):
         return self
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[Int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -539,21 +370,3 @@ class EmbeddingRequest(_Request):
     @classmethod
     def _no_dimensions(cls, v):
         return _unsupported("dimensions (the vector is the model's hidden size)", v)
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str  # str: base64 of little-endian float32, for encoding_format base64
-    index: int
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage

@@ -14,9 +14,10 @@ from server.logprobs import chat_logprobs
 from server.openapi import route_docs
 from server.prompts import resolve_max_tokens
 from server import tool_calls
-from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage,
-                             DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
+from server.protocol import ChatCompletionRequest
+from server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                              ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                              FunctionCall, ToolCallOut, UsageInfo)
 from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
 from server.sse import DONE, event, sse_response
 from server.state import ServerState

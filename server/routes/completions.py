@@ -11,7 +11,8 @@ from engine.outputs import RequestOutput
 from server.logprobs import completion_logprobs
 from server.openapi import route_docs
 from server.prompts import Prompt, prompt_items, resolve_max_tokens
-from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from server.protocol import CompletionRequest
+from server.responses import CompletionChoice, CompletionResponse, UsageInfo
 from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
 from server.sse import DONE, event, sse_response
 from server.state import ServerState

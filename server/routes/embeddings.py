@@ -19,7 +19,8 @@ from fastapi.responses import Response
 from engine.sampling_params import SamplingParams
 from server.openapi import route_docs
 from server.prompts import prompt_items
-from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from server.protocol import EmbeddingRequest
+from server.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from server.routes.common import engine_errors, new_id, read_request, sampling_errors
 from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
 

@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import engine
 from server.errors import error_response
-from server.protocol import ModelCard, ModelList
+from server.responses import ModelCard, ModelList
 from server.state import get_state
 
 router = APIRouter()

@@ -7,7 +7,8 @@ from fastapi import APIRouter, Request
 
 from server.errors import bad_request
 from server.openapi import route_docs
-from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.responses import DetokenizeResponse, TokenizeResponse
 from server.routes.common import read_request
 
 router = APIRouter()
