@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.safetensors_slices import SafetensorsSlice
+
 logger = logging.getLogger(__name__)
 
 
@@ -360,8 +362,10 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
 
 
 class SafetensorsFolder:
-    """A safetensors folder's tensors: by name (`get`; pre-quantized checkpoints read a module's
-    parts together), or iterated as (name, tensor) in file order. Each file is opened once."""
+    """A safetensors folder's tensors: whole by name (`get`; pre-quantized checkpoints read a module's
+    parts together), or iterated as (name, SafetensorsSlice) in file order: read lazily, so a
+    tensor-parallel rank's weight_loaders read only its slice of each tensor. Each file is opened
+    once; `bytes_read` counts the tensor bytes read so far."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
@@ -374,18 +378,32 @@ class SafetensorsFolder:
             with safe_open(file, framework="pt") as f:
                 self.files.update((name, file) for name in f.keys())
         self.open: dict[str, object] = {}
+        self.bytes_read = 0
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str):
         from safetensors import safe_open
 
         file = self.files[name]
         if file not in self.open:
             self.open[file] = safe_open(file, framework="pt")
-        return self.open[file].get_tensor(name)
+        return self.open[file]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _count(self, tensor: torch.Tensor) -> None:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self._file(name).get_tensor(name)
+        self._count(tensor)
+        return tensor
+
+    def __iter__(self) -> Iterator[tuple[str, SafetensorsSlice]]:
+        stored = 0
         for name in self.files:
-            yield name, self.get(name)
+            tensor = SafetensorsSlice(self._file(name).get_slice(name), on_read=self._count)
+            stored += tensor.numel() * tensor.stored_dtype.itemsize
+            yield name, tensor
+        logger.info("checkpoint: read %.1f MiB of its %.1f MiB (this process's slices)",
+                    self.bytes_read / 2**20, stored / 2**20)
 
 
 def _float_kept(targets: set[str], what: str, why: str) -> None:
@@ -437,6 +455,8 @@ class QuantizeAtLoad:
         from engine.quant.quantize import quantize
 
         for name, tensor in self.tensors:
+            if name in self.quantized and isinstance(tensor, SafetensorsSlice):
+                tensor = tensor.read()  # quantized whole; each rank's loader slices the blocks
             if name in self.quantized and isinstance(tensor, torch.Tensor):
                 tensor = quantize(tensor, self.method, self.group_size)
             yield name, tensor
