@@ -19,3 +19,47 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from tests.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# ---------------------------------------------------------------- every engine names its device
+
+_GPU_TESTS = os.path.join(ROOT, "tests", "gpu")
+_current_test: list = [None]  # the item whose setup, call or teardown is running
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device_auto: the test leaves EngineConfig.device 'auto' on purpose, to "
+                                       "run on CUDA where there is a GPU (tests/gpu/ need no marker)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # After collection, so tests/kernels/conftest.py has set TRITON_INTERPRET before kernels import.
+    _current_test[0] = item
+    _guard_device_auto()
+
+
+def _guard_device_auto() -> None:
+    """Make an engine built with device "auto" fail its test, on every machine: on a GPU machine
+    "auto" is CUDA (bfloat16, the Triton kernels), which would change what a test written for the
+    CPU checks (float32 tokens, the cpu backend, thread counts, KV sizes) without CPU CI noticing.
+    tests/gpu/ and tests marked device_auto mean "auto". Engines in child processes (servers,
+    parallel ranks) are not seen here: tests/server/server_harness.py and
+    tests/parallel/helpers.py pin those."""
+    from engine import model_runner
+
+    real = model_runner.resolve_device
+    if getattr(real, "guards_device_auto", False):
+        return
+
+    def resolve_device(name: str):
+        item = _current_test[0]
+        if (name == "auto" and item is not None and item.get_closest_marker("device_auto") is None
+                and not str(item.path).startswith(_GPU_TESTS + os.sep)):
+            raise AssertionError(f"{item.nodeid} builds an engine with device 'auto', which is CUDA on a GPU "
+                                 "machine: pass device=\"cpu\" (--device cpu to the CLI or a server), or mark the "
+                                 "test @pytest.mark.device_auto if it means to run on the GPU there")
+        return real(name)
+
+    resolve_device.guards_device_auto = True
+    model_runner.resolve_device = resolve_device

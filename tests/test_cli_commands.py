@@ -285,8 +285,8 @@ def test_chat_template_text_or_file(tiny, tmp_path):
 
 
 def _generate(capsys, tiny, *argv) -> str:
-    assert main(["generate", "Hello", "--model", tiny, "--kv-cache-memory", "16MiB", "--max-tokens", "6",
-                 "--ignore-eos", *argv]) == 0
+    assert main(["generate", "Hello", "--model", tiny, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--max-tokens", "6", "--ignore-eos", *argv]) == 0
     return capsys.readouterr().out
 
 
@@ -314,7 +314,7 @@ def test_serve_exits_1_when_the_engine_dies(tiny):
             "def step(self): raise RuntimeError('injected failure')\n"
             "EngineCore.step = step\n"
             "from engine.cli import main\n"
-            f"sys.exit(main(['serve', {tiny!r}, '--port', '0', '--kv-cache-memory', '16MiB', "
+            f"sys.exit(main(['serve', {tiny!r}, '--port', '0', '--device', 'cpu', '--kv-cache-memory', '16MiB', "
             "'--served-model-name', 'tiny']))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -339,11 +339,11 @@ def test_serve_exits_1_when_the_engine_dies(tiny):
 def test_chat_template_reaches_the_engine(tiny, capsys):
     # Needs the front end to open the model with resolve_model(..., chat_template=config.chat_template).
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    assert main(["generate", "Hello", "--chat", "--model", tiny, "--kv-cache-memory", "16MiB", "--max-tokens", "1",
-                 "--chat-template", template]) == 0
+    assert main(["generate", "Hello", "--chat", "--model", tiny, "--device", "cpu", "--kv-cache-memory", "16MiB",
+                 "--max-tokens", "1", "--chat-template", template]) == 0
     from engine import LLM
 
-    with LLM(tiny, kv_cache_memory=16 << 20, chat_template=template) as llm:
+    with LLM(tiny, device="cpu", kv_cache_memory=16 << 20, chat_template=template) as llm:
         assert llm.tokenizer.chat_template == template
 
 

@@ -167,7 +167,7 @@ def test_mixtral_gguf_generates_transformers_tokens(tmp_path):
     path = tmp_path / "mixtral.gguf"
     _write_mixtral_gguf(path, folder)
     assert type(load_gguf(path).config).__name__ == "MixtralConfig"
-    llm = LLM(str(path), tokenizer=folder, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(path), tokenizer=folder, device="cpu", num_kv_blocks=64, max_model_len=256)
     prompts = [[5, 9, 33, 100, 7], list(range(3, 60)), [77]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 8) for p in prompts]

@@ -164,7 +164,7 @@ def test_settings_that_do_not_fit_exit_2_before_any_work(bench, monkeypatch, cap
 def test_engine_settings_are_validated_before_any_work(bench, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setattr(runner, "load_tokenizer", lambda *_: (_ for _ in ()).throw(AssertionError("work")))
     with pytest.raises(SystemExit) as exc:
-        runner.run(bench.parse_args(["throughput", "--model", tiny_model_dir, "--block-size", "7"]))
+        runner.run(bench.parse_args(["throughput", "--model", tiny_model_dir, "--device", "cpu", "--block-size", "7"]))
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "block_size" in err and len(err.splitlines()) == 1
 

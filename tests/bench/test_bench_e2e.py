@@ -27,9 +27,10 @@ def ordered(d: dict) -> bool:
 
 def test_throughput_compare_engine_and_hf(tiny_model_dir, tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    proc = bench("throughput", "--model", tiny_model_dir, "--compare", "engine,hf", "--num-prompts", "6",
-                 "--input-len", "12", "--output-len", "5", "--range-ratio", "0.5", "--num-threads", "2",
-                 "--max-model-len", "128", "--hf-batch-size", "4", "--output-json", str(out), "--plot", str(png))
+    proc = bench("throughput", "--model", tiny_model_dir, "--device", "cpu", "--compare", "engine,hf",
+                 "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--range-ratio", "0.5",
+                 "--num-threads", "2", "--max-model-len", "128", "--hf-batch-size", "4", "--output-json", str(out),
+                 "--plot", str(png))
     report = json.loads(out.read_text())
     assert "| backend |" in proc.stdout and png.stat().st_size > 0
     assert report["settings"]["num_prompts"] == 6 and report["num_requests"] == 6
@@ -50,7 +51,8 @@ def test_throughput_compare_engine_and_hf(tiny_model_dir, tmp_path):
 
 def test_latency_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "l.json"
-    bench("latency", "--model", tiny_model_dir, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+    bench("latency", "--model", tiny_model_dir, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
+          "--output-len", "4",
           "--num-iters", "3", "--num-iters-warmup", "1", "--max-model-len", "128", "--output-json", str(out),
           "--disable-tqdm")
     report = json.loads(out.read_text())
@@ -65,7 +67,7 @@ def test_latency_engine(tiny_model_dir, tmp_path):
 def test_serve_launch_engine(tiny_model_dir, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     n, out_len = 8, 6
-    proc = bench("serve", "--launch", "engine", "--model", tiny_model_dir, "--num-prompts", str(n),
+    proc = bench("serve", "--launch", "engine", "--model", tiny_model_dir, "--device", "cpu", "--num-prompts", str(n),
                  "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(out_len),
                  "--max-concurrency", "1,4", "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
                  "--max-model-len", "128", "--launch-timeout", "180", "--backend", "openai",

@@ -45,4 +45,4 @@ def tiny_llm(tiny_models):
     """One shared engine on the tiny Llama, roomy enough that nothing is preempted."""
     from engine import LLM
 
-    return LLM(tiny_models("llama"), num_kv_blocks=256, max_model_len=512, seed=0)
+    return LLM(tiny_models("llama"), device="cpu", num_kv_blocks=256, max_model_len=512, seed=0)

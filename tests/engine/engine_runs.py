@@ -4,10 +4,11 @@ from __future__ import annotations
 
 
 def engine_greedy(path, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
-    """Each prompt's greedy output ids (EOS ignored) from an LLM built with `config`, shut down after."""
+    """Each prompt's greedy output ids (EOS ignored) from an LLM built with `config`, shut down after;
+    on the CPU unless `config` names a device (the callers compare float32 tokens exactly)."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), **config)
+    llm = LLM(str(path), **{"device": "cpu", **config})
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                             use_tqdm=False)

@@ -78,7 +78,7 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
 
 def test_n_above_max_num_seqs_is_refused(tiny_models):
     """n choices run at once: more than max_num_seqs could never be scheduled together."""
-    llm = LLM(tiny_models("llama"), num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+    llm = LLM(tiny_models("llama"), device="cpu", num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
     with pytest.raises(ValueError, match="^n must be at most max_num_seqs"):
         llm.generate([[5, 6]], SamplingParams(n=5, max_tokens=2), use_tqdm=False)
     outs = llm.generate([[5, 6]], SamplingParams(n=4, max_tokens=2, temperature=1.0, seed=1), use_tqdm=False)
@@ -97,7 +97,7 @@ def test_unknown_model_type_names_supported(tiny_models, tmp_path):
     cfg["model_type"] = "gpt_neox"
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"gpt_neox.*llama.*qwen3"):
-        LLM(str(folder))
+        LLM(str(folder), device="cpu")
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -112,4 +112,4 @@ def test_invalid_engine_config(kwargs, field):
 
 def test_max_model_len_beyond_kv_cache_is_refused(tiny_models):
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(tiny_models("llama"), num_kv_blocks=4, max_model_len=256)
+        LLM(tiny_models("llama"), device="cpu", num_kv_blocks=4, max_model_len=256)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(kv_cache_memory=256 << 20)
+    return LLM(device="cpu", kv_cache_memory=256 << 20)
 
 
 def test_generate_paris(default_llm):
@@ -31,7 +31,7 @@ def test_chat_paris(default_llm):
 
 def test_engine_generate_cli_paris():
     run = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "The capital of France is",
-                          "--max-tokens", "16", "--kv-cache-memory", "256MiB"],
+                          "--device", "cpu", "--max-tokens", "16", "--kv-cache-memory", "256MiB"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Paris" in run.stdout

@@ -33,7 +33,7 @@ def test_mean_pooling_across_prefill_chunks_and_a_warm_prefix_cache(tiny_models)
     """A 30-token prompt in chunks of 8 sums its states over four steps; run twice, the second
     run would find the prompt's blocks cached: mean pooling computes every position anyway."""
     path = tiny_models("llama")
-    with LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=8, seed=0) as llm:
+    with LLM(path, device="cpu", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=8, seed=0) as llm:
         first = llm.embed([PROMPTS[1]], pooling="mean", use_tqdm=False)[0]
         again = llm.embed([PROMPTS[1]], pooling="mean", use_tqdm=False)[0]
         assert first == again

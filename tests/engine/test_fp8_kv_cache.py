@@ -27,7 +27,8 @@ if getattr(torch, "float8_e4m3fn", None) is None:
                          [("float32", "fp8", 0.01, 16), ("bfloat16", "fp8_e4m3", 0.003, 32)])
 def test_engine_capacity_equals_plan_serve(tiny_models, dtype, kv_name, budget_gib, block_size):
     path = tiny_models("qwen3")  # explicit head_dim, GQA: the per-token formula has no shortcut
-    common = dict(dtype=dtype, kv_cache_memory=int(budget_gib * GiB), block_size=block_size, max_model_len=256)
+    common = dict(device="cpu", dtype=dtype, kv_cache_memory=int(budget_gib * GiB), block_size=block_size,
+                  max_model_len=256)
     llm = LLM(path, kv_cache_dtype=kv_name, **common)
     runner = llm.engine.runner
     assert runner.kv_dtype == torch.float8_e4m3fn
@@ -73,7 +74,7 @@ def test_greedy_agrees_with_a_float32_cache_on_most_positions(tiny_models, backe
     path = tiny_models("llama")
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
-    common = dict(attention_backend=backend, num_kv_blocks=128, max_model_len=256)
+    common = dict(device="cpu", attention_backend=backend, num_kv_blocks=128, max_model_len=256)
     exact = LLM(path, kv_cache_dtype="float32", **common)
     sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, exact.generate(prompts, params, use_tqdm=False))]
     fp8 = LLM(path, kv_cache_dtype="fp8", **common)
@@ -96,12 +97,12 @@ def test_prefix_caching_forks_and_preemption_change_no_token(tiny_models, backen
     prefix = [rng.randrange(3, 500) for _ in range(70)]  # ends mid-block: forks copy the partial block
     prompts = [prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    roomy = LLM(path, attention_backend=backend, kv_cache_dtype="fp8", num_kv_blocks=256, max_model_len=256,
-                enable_prefix_caching=False)
+    roomy = LLM(path, device="cpu", attention_backend=backend, kv_cache_dtype="fp8", num_kv_blocks=256,
+                max_model_len=256, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
 
-    tight = LLM(path, attention_backend=backend, kv_cache_dtype="fp8", num_kv_blocks=12, max_num_seqs=8, block_size=16,
-                max_num_batched_tokens=48, max_model_len=192)
+    tight = LLM(path, device="cpu", attention_backend=backend, kv_cache_dtype="fp8", num_kv_blocks=12, max_num_seqs=8,
+                block_size=16, max_num_batched_tokens=48, max_model_len=192)
     first = tight.generate(prompts[:1], params, use_tqdm=False)  # its prefix blocks are then cached
     rest = tight.generate(prompts[1:], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first + rest] == want
@@ -126,7 +127,7 @@ def test_unknown_kv_cache_dtype_names_the_field_and_the_choices():
 def test_fp8_where_torch_has_no_float8_names_the_flag(tiny_models, monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")  # as a torch before 2.1
     with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8.*float8_e4m3fn"):
-        LLM(tiny_models("llama"), kv_cache_dtype="fp8", num_kv_blocks=16, max_model_len=128)
+        LLM(tiny_models("llama"), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16, max_model_len=128)
 
 
 def test_cli_takes_the_flag():

@@ -85,7 +85,7 @@ def forced_agreement(path, folder: str, want: list[list[int]], **config) -> floa
     reference's own prefix (teacher forcing, through prompt_logprobs), is the reference's token."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), tokenizer=folder, num_kv_blocks=128, max_model_len=256, **config)
+    llm = LLM(str(path), tokenizer=folder, device="cpu", num_kv_blocks=128, max_model_len=256, **config)
     try:
         outs = llm.generate([p + w for p, w in zip(PROMPTS, want)],
                             SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
@@ -246,8 +246,8 @@ def test_engine_knob_reaches_the_loader(tmp_path, tiny):
     path = tmp_path / "q4.gguf"
     write_gguf(path, folder, "llama", "Q4_0")
     for choice, native in (("native", True), ("dequantize", False)):
-        llm = LLM(str(path), tokenizer=folder, gguf_weights=choice, num_kv_blocks=16, max_model_len=128)
+        llm = LLM(str(path), tokenizer=folder, device="cpu", gguf_weights=choice, num_kv_blocks=16, max_model_len=128)
         layer = llm.engine.runner.model.model.layers["0"]
         assert (layer.mlp.down_proj.quant_format is not None) == native
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
-        LLM(str(path), tokenizer=folder, gguf_weights="int4")
+        LLM(str(path), tokenizer=folder, device="cpu", gguf_weights="int4")

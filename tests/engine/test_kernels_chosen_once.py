@@ -77,7 +77,7 @@ def test_the_runner_resolves_its_backend_once(backend, tiny_models, monkeypatch)
     calls = []
     real = kernels.get_backend
     monkeypatch.setattr(kernels, "get_backend", lambda name: calls.append(name) or real(name))
-    llm = LLM(tiny_models("qwen3"), num_kv_blocks=64, max_model_len=256, attention_backend=backend)
+    llm = LLM(tiny_models("qwen3"), device="cpu", num_kv_blocks=64, max_model_len=256, attention_backend=backend)
     runner = llm.engine.runner
     assert calls == [backend] and runner.backend is real(backend) and runner.backend.name == runner.attn_backend
 

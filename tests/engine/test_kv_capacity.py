@@ -16,7 +16,8 @@ GiB = 1 << 30
 @pytest.mark.parametrize("dtype,budget_gib,block_size", [("float32", 0.01, 16), ("bfloat16", 0.003, 32)])
 def test_engine_capacity_equals_plan_serve(tiny_models, dtype, budget_gib, block_size):
     path = tiny_models("qwen3")  # explicit head_dim, GQA: the per-token formula has no shortcut
-    llm = LLM(path, dtype=dtype, kv_cache_memory=int(budget_gib * GiB), block_size=block_size, max_model_len=256)
+    llm = LLM(path, device="cpu", dtype=dtype, kv_cache_memory=int(budget_gib * GiB), block_size=block_size,
+              max_model_len=256)
     engine_tokens = llm.engine.runner.num_blocks * block_size
     plan = subprocess.run(
         [sys.executable, "-m", "engine.cli", "plan", "serve", "--model", path, "--dtype", dtype,

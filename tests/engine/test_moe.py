@@ -31,7 +31,7 @@ def test_prefix_cache_and_n_choices_keep_transformers_tokens(family, tiny_models
     path = tiny_models(family)
     prefix = _prompts(1, 1, 48, 49)[0]
     prompts = [prefix + tail for tail in _prompts(2, 4, 1, 12)]
-    llm = LLM(path, num_kv_blocks=128, block_size=16, max_model_len=256, seed=0)
+    llm = LLM(path, device="cpu", num_kv_blocks=128, block_size=16, max_model_len=256, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=3)
     first = llm.generate(prompts[:1], params, use_tqdm=False)
     rest = llm.generate(prompts[1:], params, use_tqdm=False)
@@ -67,7 +67,7 @@ def test_bfloat16_first_tokens_and_logprobs_close_to_transformers(family, tiny_m
     the first tokens agree, the typical logprob gap is bfloat16 noise, and none is far off."""
     path = tiny_models(family)
     prompts = _prompts(3, 8, 2, 40)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    llm = LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, ignore_eos=True),
                         use_tqdm=False)
     model = hf_bf16(path)
@@ -127,7 +127,7 @@ def test_stacked_and_sharded_expert_checkpoints_load_alike(tiny_models, tmp_path
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [hf_greedy(path, p, 8) for p in prompts]
     for folder in (stacked, str(sharded)):
-        llm = LLM(folder, num_kv_blocks=64, max_model_len=256)
+        llm = LLM(folder, device="cpu", num_kv_blocks=64, max_model_len=256)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
@@ -144,12 +144,12 @@ def _edited_config(src: str, dst, **changes) -> str:
 def test_more_experts_per_token_than_experts_is_named(tiny_models, tmp_path):
     path = _edited_config(tiny_models("mixtral"), tmp_path / "m", num_experts_per_tok=9)
     with pytest.raises(ValueError, match=r"'num_experts_per_tok': 9 experts per token, but the model has 8 experts"):
-        LLM(path, num_kv_blocks=16)
+        LLM(path, device="cpu", num_kv_blocks=16)
 
 
 def test_expert_parallel_needs_experts_and_a_dividing_size(tiny_models):
     with pytest.raises(ValueError, match="enable_expert_parallel is for mixture-of-experts models"):
-        LLM(tiny_models("llama"), num_kv_blocks=16, enable_expert_parallel=True)
+        LLM(tiny_models("llama"), device="cpu", num_kv_blocks=16, enable_expert_parallel=True)
 
 def test_expert_parallel_size_must_divide_the_experts(tiny_models, tmp_path):
     path = _edited_config(tiny_models("mixtral"), tmp_path / "six", num_local_experts=6)
@@ -168,7 +168,7 @@ def test_unsupported_moe_variant_is_refused_by_name(tiny_models, tmp_path):
     path = _edited_config(tiny_models("mixtral"), tmp_path / "d", model_type="deepseek_v3",
                           architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=16, n_group=4, topk_group=2)
     with pytest.raises(ValueError, match=r"model_type 'deepseek_v3' is not supported.*mixtral"):
-        LLM(path, num_kv_blocks=16)
+        LLM(path, device="cpu", num_kv_blocks=16)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])

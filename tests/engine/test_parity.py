@@ -32,7 +32,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(family, backen
     path = tiny_models(family)
     # 30 blocks of 16 = 480 tokens for 12 prompts of up to 310 tokens: they cannot all fit,
     # so the scheduler must preempt; a 64-token budget splits every longer prompt into chunks.
-    llm = LLM(path, num_kv_blocks=30, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+    llm = LLM(path, device="cpu", num_kv_blocks=30, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
               max_model_len=480, seed=0, attention_backend=backend)
     assert llm.engine.runner.attn_backend == backend
     prompts = _prompts(llm.engine.vocab_size, seed=zlib.crc32(family.encode()))
@@ -50,7 +50,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(family, backen
 def test_eos_stops_generation_like_transformers(tiny_models):
     """Without ignore_eos, generation ends at EOS exactly where transformers ends."""
     path = tiny_models("llama")
-    llm = LLM(path, num_kv_blocks=128, max_model_len=512)
+    llm = LLM(path, device="cpu", num_kv_blocks=128, max_model_len=512)
     eos = llm.engine.eos_token_ids
     assert eos, "the tiny tokenizer defines an EOS token"
     # Find prompts whose greedy continuation hits EOS within 40 tokens.

@@ -15,7 +15,7 @@ def test_shared_prefix_hits_and_same_tokens(tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     results = {}
     for caching in (True, False):
-        llm = LLM(path, num_kv_blocks=200, max_model_len=512, enable_prefix_caching=caching)
+        llm = LLM(path, device="cpu", num_kv_blocks=200, max_model_len=512, enable_prefix_caching=caching)
         # First one request alone, so its prefix blocks are computed and hashed, then the rest.
         first = llm.generate(prompts[:1], params, use_tqdm=False)
         rest = llm.generate(prompts[1:], params, use_tqdm=False)

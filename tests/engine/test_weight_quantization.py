@@ -256,7 +256,7 @@ def test_bf16_checkpoint_and_the_start_up_log(tmp_path, folders, caplog):
     folder = folders("llama")
     bf16 = write_float_folder(folder, tmp_path / "bf16", {}, dtype=torch.bfloat16)
     with caplog.at_level(logging.INFO):
-        llm = LLM(bf16, num_kv_blocks=16, max_model_len=128, quantization="int8")
+        llm = LLM(bf16, device="cpu", num_kv_blocks=16, max_model_len=128, quantization="int8")
     try:
         layer = llm.engine.runner.model.model.layers["0"].mlp.gate_up_proj
         w = load_file(os.path.join(bf16, "model.safetensors"))
@@ -351,7 +351,7 @@ def test_group_size_must_divide_the_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"--quantization int4 --quantization-group-size 128: model\.layers\.0\..* "
                                          r"(96|192) inputs per row, not a multiple of 128: "
                                          r"use --quantization-group-size 32"):
-        LLM(folder, num_kv_blocks=16, max_model_len=64, quantization="int4")
+        LLM(folder, device="cpu", num_kv_blocks=16, max_model_len=64, quantization="int4")
     assert loaded_model(folder, quantization="int4", quantization_group_size=32) is not None
     odd = build_tiny_model(tmp_path / "h80", hidden_size=80, intermediate_size=160, num_attention_heads=4,
                            num_key_value_heads=2)

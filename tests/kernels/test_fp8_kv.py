@@ -223,6 +223,7 @@ def test_cpu_long_contexts():
 # ---- the engine on the triton backend (interpreted on CPU: a few tokens) ------------------------------
 
 
+@pytest.mark.device_auto  # the Triton kernels compiled on CUDA where there is a GPU, interpreted here
 def test_engine_fp8_on_triton_matches_torch(triton_ops, tmp_path):
     from engine import LLM, SamplingParams
     from tests.tiny_model import build_tiny_model

@@ -23,8 +23,10 @@ PROMPTS = [
 MAX_TOKENS = 16
 BLOCK_SIZE = 8
 NUM_BLOCKS = 24  # 192 token slots for 12 prompts of up to 40 + 16 tokens: preemption is certain
-# A token budget below most prompts' length: prefills are chunked, and mixed with decodes.
-ENGINE_ARGS = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=128, num_threads=1, seed=0)
+# A token budget below most prompts' length: prefills are chunked, and mixed with decodes. On the CPU
+# (gloo) on a GPU machine too: up to five ranks here, and the parity checks expect float32 tokens.
+ENGINE_ARGS = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=128, num_threads=1, seed=0,
+                   device="cpu")
 
 
 def greedy():

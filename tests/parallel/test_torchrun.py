@@ -24,8 +24,8 @@ def _free_port() -> int:
 
 def test_two_torchrun_nodes_pipeline_parallel(gqa_model, tmp_path):
     port = _free_port()
-    engine_args = ["generate", *PROMPTS, "--model", gqa_model, "--max-tokens", "8", "--num-kv-blocks", "64",
-                   "--num-threads", "1", "--pipeline-parallel-size", "2"]
+    engine_args = ["generate", *PROMPTS, "--model", gqa_model, "--device", "cpu", "--max-tokens", "8",
+                   "--num-kv-blocks", "64", "--num-threads", "1", "--pipeline-parallel-size", "2"]
     env = {**os.environ, "PYTHONPATH": ROOT}
 
     def node(rank: int) -> subprocess.Popen:
@@ -40,6 +40,6 @@ def test_two_torchrun_nodes_pipeline_parallel(gqa_model, tmp_path):
     out, _ = leader.communicate(timeout=240)
     assert leader.returncode == 0, (tmp_path / "node0.log").read_text()[-3000:]
     assert follower.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
-    with LLM(gqa_model, num_kv_blocks=64, num_threads=1) as llm:
+    with LLM(gqa_model, device="cpu", num_kv_blocks=64, num_threads=1) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert out == "".join(p + o.outputs[0].text + "\n" for p, o in zip(PROMPTS, outs))

@@ -27,11 +27,12 @@ def clean_env() -> dict:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0,
-                 entry: str = "engine"):
-        """`entry`: the module run as `python -m ENTRY serve`; "engine.cli" is the `engine` console script."""
+                 entry: str = "engine", device: str = "cpu"):
+        """`entry`: the module run as `python -m ENTRY serve`; "engine.cli" is the `engine` console script.
+        `device`: the server tests expect the CPU's float32 tokens and KV sizes, on a GPU machine too."""
         self.log_path = log_path
         self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", entry, "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-m", entry, "serve", "--port", "0", "--device", device, *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**clean_env(), **(env or {})})
         self.url = self._wait_listening(startup_timeout)

@@ -237,7 +237,7 @@ def test_loop_death_fails_pending_requests_promptly(tiny_model_dir, caplog):
             return super().step()
 
     async def main():
-        engine = AsyncEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, num_threads=1),
+        engine = AsyncEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_kv_blocks=256, num_threads=1),
                              core_factory=lambda config: build_engine_core(config, FailingCore))
         await engine.start()
         assert engine.is_healthy
@@ -278,7 +278,7 @@ def test_loop_death_over_http_gives_500_and_unhealthy(tiny_model_dir, caplog):
                 raise RuntimeError("injected kernel failure")
             return super().step()
 
-    engine = AsyncEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, num_threads=1),
+    engine = AsyncEngine(EngineConfig(model=tiny_model_dir, device="cpu", num_kv_blocks=256, num_threads=1),
                          core_factory=lambda config: build_engine_core(config, FailingCore))
     with TestClient(build_app(engine, shutdown_timeout=1)) as http:
         ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})

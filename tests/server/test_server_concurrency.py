@@ -37,7 +37,7 @@ def test_64_concurrent_streams_match_offline_greedy(server, tiny_model_dir):
     from engine.sampling_params import SamplingParams
 
     prompts = _prompts(NUM_STREAMS)
-    llm = LLM(tiny_model_dir, num_kv_blocks=512, num_threads=1)
+    llm = LLM(tiny_model_dir, device="cpu", num_kv_blocks=512, num_threads=1)
     offline = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     del llm
     expected = [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in offline]
