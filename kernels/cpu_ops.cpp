@@ -20,6 +20,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>  // at::native::cpublas::brgemm: oneDNN's microkernel (the fused MoE)
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -668,15 +669,36 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // with their routing weights in float32 (the reference's accumulator) and rounds once: per token,
 // not a scatter-add per expert, so no two threads ever add into one row and the sum is deterministic.
 //
-// Matmuls: in bf16, oneDNN on each expert's weights prepacked at load (PackedExperts); otherwise
-// at::linear on the plain stacked weights (float32: MKL's sgemm). Measured, whole op, 8 experts of
-// 576 x 768, top-2, 2 threads, best of 100: at 64 tokens (about 16 rows per expert) packed bf16 is
-// 1.3x faster than plain (0.96 vs 1.25 ms) but packed float32 1.17x slower (2.70 vs 2.31 ms); at
-// 2048 tokens both dtypes are within 5%. So cpu_ops.pack_moe_weights packs bf16 only.
+// Matmuls, by the layout cpu_ops.pack_moe_weights chose at load:
+// - brgemm (bf16 where the CPU has AMX): oneDNN's brgemm microkernel (at::native::cpublas::brgemm)
+//   on each expert's weights packed once into VNNI tiles of kMoeTileN output columns. One parallel
+//   region runs every (expert, gate/up tile) work item with the SwiGLU in the tile's epilogue, a
+//   second every (expert, down tile) item; threads take items from a shared counter, so a core busy
+//   with another process slows the op by its share of the items, not by a whole expert. Each item
+//   writes its own columns of its expert's rows, so the result does not depend on which thread ran
+//   what. Measured against the next way on mixtral-tiny's layers (8 experts of 768 x 1024, top-2,
+//   12 layers' weights in turn so they come from memory, 2 threads, min of 20 interleaved runs), ms
+//   a layer: 1 token 0.47 -> 0.34, 16 tokens 2.08 -> 1.64, 64: 2.32 -> 1.74, 256: 3.31 -> 2.95; and
+//   when another process holds a core, the median at 256 tokens 12.6 -> 4.2 (576 x 768).
+// - matmul (bf16 without AMX): oneDNN matmul primitives on each expert's weights prepacked at load,
+//   one expert after another, each call parallel inside; at 64 tokens 1.3x faster than at::linear
+//   on the plain weights (0.96 vs 1.25 ms).
+// - none (float32, float16): at::linear on the plain stacked weights (float32: MKL's sgemm, which
+//   measured 1.17x faster than packed oneDNN at 64 tokens and within 5% at 2048).
 //
-// Each segment is padded to padded_rows(n) rows (cpu_ops.padded_num_tokens' sizes; a test holds them
-// equal): oneDNN keeps state for every row count it multiplies, measured here at about 1 MiB per new
-// count for one 1536 x 576 bf16 weight, packed or not, and per-expert counts vary on every step.
+// matmul pads each segment to padded_rows(n) rows (cpu_ops.padded_num_tokens' sizes; a test holds
+// them equal): oneDNN keeps state for every row count it multiplies, measured here at about 1 MiB per
+// new count for one 1536 x 576 bf16 weight, packed or not, and per-expert counts vary on every step.
+// brgemm needs no padding: its microkernels are cached per thread by (M, N, K), and M is at most
+// kMoeTileM (a segment runs as tiles of that many rows), so the cache is bounded by the layer shapes.
+
+
+constexpr int64_t kMoeTileM = 32;  // rows of one brgemm call (two AMX tiles of 16)
+constexpr int64_t kMoeTileN = 32;  // output columns of one gate/up work item (32 of each)
+constexpr int64_t kMoeDownTileN = 32;  // output columns of one down work item
+constexpr int64_t kVnniN = 16;     // a packed tile's width is padded to a multiple of this (an AMX tile's)
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // kernels/cpu_ops.py padded_num_tokens: n up to 16, above that one of eight sizes per power of two.
 int64_t padded_rows(int64_t n) {
@@ -685,25 +707,87 @@ int64_t padded_rows(int64_t n) {
   return (n + step - 1) / step * step;
 }
 
-// One layer's expert weights in oneDNN's blocked layout, one tensor per expert and projection,
-// reordered once at load (cpu_ops.pack_moe_weights); the plain stacked weights can then be freed.
+// Whether pack_moe_brgemm's layout can run here: bf16 brgemm on VNNI-packed weights (AMX).
+bool moe_brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// One layer's expert weights, packed once at load (cpu_ops.pack_moe_weights); the plain stacked
+// weights can then be freed.
+//   matmul: w13 / w2 hold one oneDNN-blocked tensor per expert, [2F, H] and [H, F].
+//   brgemm: w13 / w2 hold one tensor each, every expert's VNNI tiles (pack_moe_brgemm).
 struct PackedExperts {
-  std::vector<at::Tensor> w13, w2;  // [2F, H] and [H, F] per expert, blocked
-  int64_t hidden, ffn;
+  std::string layout;
+  std::vector<at::Tensor> w13, w2;
+  int64_t num_experts, hidden, ffn;
 
   PackedExperts(std::vector<at::Tensor> w13_, std::vector<at::Tensor> w2_, int64_t hidden_, int64_t ffn_)
-      : w13(std::move(w13_)), w2(std::move(w2_)), hidden(hidden_), ffn(ffn_) {
+      : layout("matmul"), w13(std::move(w13_)), w2(std::move(w2_)), num_experts(w13.size()), hidden(hidden_),
+        ffn(ffn_) {
     TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "PackedExperts: one w13 and one w2 per expert");
     for (size_t e = 0; e < w13.size(); ++e)
       TORCH_CHECK(w13[e].scalar_type() == w13[0].scalar_type() && w2[e].scalar_type() == w13[0].scalar_type(),
                   "PackedExperts: every expert's weights share one dtype");
   }
+  PackedExperts(at::Tensor vnni13, at::Tensor vnni2, int64_t num_experts_, int64_t hidden_, int64_t ffn_)
+      : layout("brgemm"), w13{std::move(vnni13)}, w2{std::move(vnni2)}, num_experts(num_experts_), hidden(hidden_),
+        ffn(ffn_) {}
+  at::ScalarType dtype() const { return w13[0].scalar_type(); }
   int64_t nbytes() const {
     int64_t total = 0;
     for (size_t e = 0; e < w13.size(); ++e) total += w13[e].nbytes() + w2[e].nbytes();
     return total;
   }
 };
+
+// brgemm's packed layout. A tile is columns [n0, n0 + nt) of a weight w [N, K] (row n: output n),
+// transposed to K x nt and stored VNNI: pairs of k interleaved, [K / 2][width][2], its width nt
+// padded with zero columns to a multiple of kVnniN. gate/up tiles hold the gate's nt columns, then
+// (at column round_up(nt, kVnniN)) the up's same columns, so one brgemm call computes both and the
+// SwiGLU runs on its output. Tile nb starts at element 2 * H * n0 of its expert's w13 block, and at
+// F * n0 of its w2 block (every tile but the last is kMoeTileN, or kMoeDownTileN, wide).
+int64_t vnni13_expert_stride(int64_t hidden, int64_t ffn) { return 2 * hidden * round_up(ffn, kVnniN); }
+int64_t vnni2_expert_stride(int64_t hidden, int64_t ffn) { return ffn * round_up(hidden, kVnniN); }
+
+// w [N, K] rows [n0, n0 + nt) into dst's columns [col, col + nt) of a [K / 2][width][2] tile.
+void pack_vnni_columns(const c10::BFloat16* w, int64_t K, int64_t n0, int64_t nt, int64_t col, int64_t width,
+                       c10::BFloat16* dst) {
+  for (int64_t c = 0; c < nt; ++c) {
+    const c10::BFloat16* row = w + (n0 + c) * K;
+    for (int64_t k = 0; k < K; ++k) dst[(k / 2) * width * 2 + (col + c) * 2 + k % 2] = row[k];
+  }
+}
+
+// w13 [E, 2F, H], w2 [E, H, F] bf16 -> PackedExperts in the brgemm layout.
+PackedExperts pack_moe_brgemm(torch::Tensor w13, torch::Tensor w2) {
+  TORCH_CHECK(moe_brgemm_available(), "pack_moe_brgemm: this CPU has no bf16 brgemm on packed weights (AMX)");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.size(2) == w2.size(1) &&
+              w13.size(1) == 2 * w2.size(2), "pack_moe_brgemm: w13 must be [experts, 2 * ffn, hidden] and w2 [experts, hidden, ffn]");
+  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16, "pack_moe_brgemm: bf16 only");
+  const int64_t experts = w13.size(0), hidden = w13.size(2), ffn = w2.size(2);
+  TORCH_CHECK(hidden % 2 == 0 && ffn % 2 == 0, "pack_moe_brgemm: VNNI pairs need an even hidden size and ffn");
+  const auto a13 = w13.contiguous(), a2 = w2.contiguous();
+  const int64_t s13 = vnni13_expert_stride(hidden, ffn), s2 = vnni2_expert_stride(hidden, ffn);
+  auto p13 = torch::zeros({experts * s13}, w13.options()), p2 = torch::zeros({experts * s2}, w2.options());
+  const auto* src13 = a13.data_ptr<c10::BFloat16>();
+  const auto* src2 = a2.data_ptr<c10::BFloat16>();
+  auto* dst13 = p13.data_ptr<c10::BFloat16>();
+  auto* dst2 = p2.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const c10::BFloat16* gate = src13 + e * 2 * ffn * hidden;
+      for (int64_t n0 = 0; n0 < ffn; n0 += kMoeTileN) {
+        const int64_t nt = std::min(kMoeTileN, ffn - n0), half = round_up(nt, kVnniN);
+        c10::BFloat16* tile = dst13 + e * s13 + 2 * hidden * n0;
+        pack_vnni_columns(gate, hidden, n0, nt, 0, 2 * half, tile);
+        pack_vnni_columns(gate + ffn * hidden, hidden, n0, nt, half, 2 * half, tile);
+      }
+      for (int64_t n0 = 0; n0 < hidden; n0 += kMoeDownTileN) {
+        const int64_t nt = std::min(kMoeDownTileN, hidden - n0);
+        pack_vnni_columns(src2 + e * hidden * ffn, ffn, n0, nt, 0, round_up(nt, kVnniN), dst2 + e * s2 + ffn * n0);
+      }
+    }
+  });
+  return PackedExperts(p13, p2, experts, hidden, ffn);
+}
 
 // torch.ops.mkldnn._linear_pointwise (what cpu_ops.linear calls), reached through the dispatcher.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
@@ -724,7 +808,8 @@ struct ExpertSegments {
   std::vector<int64_t> slot_row;   // [T * k]: the buffer row of a slot, -1 when its expert is not held here
 };
 
-ExpertSegments sort_by_expert(const int64_t* ids, int64_t slots, int64_t top_k, int64_t experts, int64_t offset) {
+ExpertSegments sort_by_expert(const int64_t* ids, int64_t slots, int64_t top_k, int64_t experts, int64_t offset,
+                              bool pad) {
   ExpertSegments s;
   s.count.assign(experts, 0);
   for (int64_t i = 0; i < slots; ++i) {
@@ -732,7 +817,7 @@ ExpertSegments sort_by_expert(const int64_t* ids, int64_t slots, int64_t top_k, 
     if (e >= 0 && e < experts) ++s.count[e];
   }
   s.start.assign(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) s.start[e + 1] = s.start[e] + padded_rows(s.count[e]);
+  for (int64_t e = 0; e < experts; ++e) s.start[e + 1] = s.start[e] + (pad ? padded_rows(s.count[e]) : s.count[e]);
   s.row_token.assign(s.start[experts], -1);
   s.slot_row.assign(slots, -1);
   std::vector<int64_t> next(s.start.begin(), s.start.end() - 1);
@@ -786,6 +871,117 @@ at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& row_toke
   return buf;
 }
 
+// Runs item(i, threads) for every i in [0, items) on the op's threads, each taking the next item
+// from a shared counter; a thread that ran a brgemm gives its AMX state back before the region ends
+// (torch's flash attention does the same: the next oneDNN primitive on that thread configures its own
+// tiles).
+template <typename F>
+void for_each_item(int64_t items, const F& item) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      item(i, threads);
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+// A layer's expert weights are far larger than the caches, and brgemm waits on every weight tile it
+// loads from memory (measured alone: a 32 x 64 x 768 call reaches 530 GFLOP/s on a tile in L2,
+// 400 on one streamed from memory; 64 rows: 1,100 and 400). So each item asks for the tile its thread
+// will most likely run next (the threads take items in turn) a few lines per row as it works, and
+// that tile is in L2 when its brgemm starts: 7% off the 256-token op on 2 threads.
+struct TilePrefetch {
+  const char* tile = nullptr;
+  int64_t lines = 0, done = 0, per_row = 0;
+  TilePrefetch(const void* next_tile, int64_t bytes, int64_t rows)
+      : tile(static_cast<const char*>(next_tile)), lines(next_tile ? bytes / 64 : 0),
+        per_row((lines + rows - 1) / std::max<int64_t>(rows, 1)) {}
+  void row() {
+    for (const int64_t end = std::min(lines, done + per_row); done < end; ++done)
+      __builtin_prefetch(tile + done * 64, 0, 2);  // read, into L2
+  }
+};
+
+// The brgemm layout's expert matmuls: xs [rows, H] (segments of seg) -> ys [rows, H], through
+// h [rows, F] = silu(gate) * up, rounded where the reference rounds (gate, up, silu, h, y).
+void experts_brgemm(const PackedExperts& p, const ExpertSegments& seg, const c10::BFloat16* xs, c10::BFloat16* h,
+                    c10::BFloat16* ys) {
+  using bf16 = c10::BFloat16;
+  const int64_t H = p.hidden, F = p.ffn;
+  const int64_t tiles13 = (F + kMoeTileN - 1) / kMoeTileN, tiles2 = (H + kMoeDownTileN - 1) / kMoeDownTileN;
+  const auto* w13 = p.w13[0].data_ptr<bf16>();
+  const auto* w2 = p.w2[0].data_ptr<bf16>();
+  const int64_t s13 = vnni13_expert_stride(H, F), s2 = vnni2_expert_stride(H, F);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < p.num_experts; ++e)
+    if (seg.count[e] > 0) active.push_back(e);
+  const int64_t experts = active.size();
+
+  // gate/up: item (expert, tile) runs every row tile of the expert against one weight tile.
+  // Item i's weight tile and its bytes (every tile but an expert's last is kMoeTileN wide).
+  const auto tile13 = [&](int64_t i) { return w13 + active[i / tiles13] * s13 + 2 * H * (i % tiles13) * kMoeTileN; };
+  const auto bytes13 = [&](int64_t i) {
+    return 2 * H * 2 * round_up(std::min(kMoeTileN, F - (i % tiles13) * kMoeTileN), kVnniN);
+  };
+  for_each_item(experts * tiles13, [&](int64_t i, int64_t threads) {
+    const int64_t e = active[i / tiles13], n0 = (i % tiles13) * kMoeTileN;
+    const int64_t nt = std::min(kMoeTileN, F - n0), half = round_up(nt, kVnniN);
+    const bf16* b = tile13(i);
+    const int64_t ahead = i + threads;
+    TilePrefetch prefetch(ahead < experts * tiles13 ? tile13(ahead) : nullptr, bytes13(ahead), seg.count[e]);
+    alignas(64) float c[kMoeTileM * 2 * kMoeTileN];
+    const fVec one(1.f);
+    for (int64_t r0 = seg.start[e], r1 = seg.start[e] + seg.count[e]; r0 < r1; r0 += kMoeTileM) {
+      const int64_t m = std::min(kMoeTileM, r1 - r0);
+      at::native::cpublas::brgemm(m, 2 * half, H, H, 2 * half, 2 * half, false, xs + r0 * H, b, c);
+      for (int64_t r = 0; r < m; ++r) {
+        prefetch.row();
+        const float* g = c + r * 2 * half;
+        const float* u = g + half;
+        bf16* out = h + (r0 + r) * F + n0;
+        for (int64_t d = 0; d < nt; d += kP) {
+          const int64_t n = std::min(kP, nt - d);
+          fVec glo, ghi, ulo, uhi;
+          load2(g + d, n, glo, ghi);
+          load2(u + d, n, ulo, uhi);
+          round2<bf16>(glo, ghi);  // the gate/up matmul's bf16 output
+          round2<bf16>(ulo, uhi);
+          fVec alo = glo / (one + exp_for<bf16>(glo.neg())), ahi = ghi / (one + exp_for<bf16>(ghi.neg()));
+          round2<bf16>(alo, ahi);
+          store2(out + d, alo * ulo, ahi * uhi, n);
+        }
+      }
+    }
+  });
+
+  // down: item (expert, tile of H) likewise, its rows rounded to bf16 (the down matmul's output).
+  const auto tile2 = [&](int64_t i) { return w2 + active[i / tiles2] * s2 + F * (i % tiles2) * kMoeDownTileN; };
+  const auto bytes2 = [&](int64_t i) { return F * 2 * round_up(std::min(kMoeDownTileN, H - (i % tiles2) * kMoeDownTileN), kVnniN); };
+  for_each_item(experts * tiles2, [&](int64_t i, int64_t threads) {
+    const int64_t e = active[i / tiles2], n0 = (i % tiles2) * kMoeDownTileN;
+    const int64_t nt = std::min(kMoeDownTileN, H - n0), width = round_up(nt, kVnniN);
+    const bf16* b = tile2(i);
+    const int64_t ahead = i + threads;
+    TilePrefetch prefetch(ahead < experts * tiles2 ? tile2(ahead) : nullptr, bytes2(ahead), seg.count[e]);
+    alignas(64) float c[kMoeTileM * kMoeDownTileN];
+    for (int64_t r0 = seg.start[e], r1 = seg.start[e] + seg.count[e]; r0 < r1; r0 += kMoeTileM) {
+      const int64_t m = std::min(kMoeTileM, r1 - r0);
+      at::native::cpublas::brgemm(m, width, F, F, width, width, false, h + r0 * F, b, c);
+      for (int64_t r = 0; r < m; ++r) {
+        prefetch.row();
+        for (int64_t d = 0; d < nt; d += kP) {
+          const int64_t n = std::min(kP, nt - d);
+          fVec lo, hi;
+          load2(c + r * width + d, n, lo, hi);
+          store2(ys + (r0 + r) * H + n0 + d, lo, hi, n);
+        }
+      }
+    }
+  });
+}
+
 // w13 [E, 2F, H] / w2 [E, H, F] plain, or (when `packed` is given) ignored and possibly empty.
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
                         torch::Tensor w2, int64_t expert_offset, const PackedExperts* packed) {
@@ -797,9 +993,9 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
   int64_t experts;
   if (packed != nullptr) {
-    TORCH_CHECK(packed->hidden == hidden && packed->w13[0].scalar_type() == x.scalar_type(),
+    TORCH_CHECK(packed->hidden == hidden && packed->dtype() == x.scalar_type(),
                 "fused_moe: the packed experts' hidden size or dtype does not match x");
-    experts = packed->w13.size();
+    experts = packed->num_experts;
   } else {
     TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.size(2) == hidden &&
                 w2.size(1) == hidden && w13.size(1) == 2 * w2.size(2),
@@ -810,24 +1006,39 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   }
   auto out = torch::empty({tokens, hidden}, x.options());
   if (tokens == 0) return out;
-  const auto seg = sort_by_expert(topk_ids.data_ptr<int64_t>(), tokens * top_k, top_k, experts, expert_offset);
+  const bool brgemm = packed != nullptr && packed->layout == "brgemm";
+  const auto seg = sort_by_expert(topk_ids.data_ptr<int64_t>(), tokens * top_k, top_k, experts, expert_offset, !brgemm);
   const auto xs = gather_rows(x, seg.row_token);
-  std::vector<at::Tensor> ys(experts);  // each expert's down-projected rows, alive until the combine
-  for (int64_t e = 0; e < experts; ++e) {
-    if (seg.count[e] == 0) continue;
-    const auto xe = xs.narrow(0, seg.start[e], seg.start[e + 1] - seg.start[e]);
-    if (packed != nullptr) {
-      ys[e] = packed_linear(silu_and_mul(packed_linear(xe, packed->w13[e]).contiguous()), packed->w2[e]);
-    } else {
-      ys[e] = at::linear(silu_and_mul(at::linear(xe, w13[e]).contiguous()), w2[e]);
+  const int64_t rows = seg.start[experts];
+  // Each sorted row's expert output, alive until the combine: one buffer (brgemm), or one per expert.
+  at::Tensor y_rows;
+  std::vector<at::Tensor> ys(experts);
+  if (brgemm) {
+    auto h = torch::empty({rows, packed->ffn}, x.options());
+    y_rows = torch::empty({rows, hidden}, x.options());
+    experts_brgemm(*packed, seg, xs.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(),
+                   y_rows.data_ptr<c10::BFloat16>());
+  } else {
+    for (int64_t e = 0; e < experts; ++e) {
+      if (seg.count[e] == 0) continue;
+      const auto xe = xs.narrow(0, seg.start[e], seg.start[e + 1] - seg.start[e]);
+      if (packed != nullptr) {
+        ys[e] = packed_linear(silu_and_mul(packed_linear(xe, packed->w13[e]).contiguous()), packed->w2[e]);
+      } else {
+        ys[e] = at::linear(silu_and_mul(at::linear(xe, w13[e]).contiguous()), w2[e]);
+      }
+      ys[e] = ys[e].contiguous();
     }
-    ys[e] = ys[e].contiguous();
   }
   PW_DISPATCH(x.scalar_type(), "fused_moe", [&] {
     std::vector<const scalar_t*> slot_src(tokens * top_k, nullptr);
     for (int64_t i = 0; i < tokens * top_k; ++i) {
       const int64_t r = seg.slot_row[i];
       if (r < 0) continue;
+      if (brgemm) {
+        slot_src[i] = y_rows.data_ptr<scalar_t>() + r * hidden;
+        continue;
+      }
       const int64_t e = std::upper_bound(seg.start.begin(), seg.start.end(), r) - seg.start.begin() - 1;
       slot_src[i] = ys[e].data_ptr<scalar_t>() + (r - seg.start[e]) * hidden;
     }
@@ -845,11 +1056,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (NaN first), as torch.max(dim).indices");
   m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
   m.def("padded_rows", &padded_rows, "the rows an expert's segment of n tokens is padded to");
+  m.def("moe_brgemm_available", &moe_brgemm_available, "whether pack_moe_brgemm's layout runs on this CPU (AMX)");
+  m.def("pack_moe_brgemm", &pack_moe_brgemm, "bf16 expert weights in VNNI tiles for the brgemm microkernel");
   pybind11::class_<PackedExperts>(m, "PackedExperts")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t>())
+      .def_readonly("layout", &PackedExperts::layout)
       .def_readonly("hidden", &PackedExperts::hidden)
       .def_readonly("ffn", &PackedExperts::ffn)
-      .def_property_readonly("num_experts", [](const PackedExperts& p) { return static_cast<int64_t>(p.w13.size()); })
+      .def_readonly("num_experts", &PackedExperts::num_experts)
       .def_property_readonly("nbytes", &PackedExperts::nbytes);
   m.def("fused_moe", &fused_moe, "mixture of experts: routed tokens through their local experts, combined",
         pybind11::arg("x"), pybind11::arg("topk_weights"), pybind11::arg("topk_ids"), pybind11::arg("w13"),

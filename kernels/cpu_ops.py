@@ -148,22 +148,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 select_experts = reference.select_experts  # routing is a softmax and a top-k: torch's own kernels
 
 
-def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor):
-    """bfloat16: each expert's w13 [2F, H] and w2 [H, F] in oneDNN's blocked layout, one
-    PackedExperts (the caller may then free w13 and w2: fused_moe reads only the packed copy).
-    None for other dtypes, whose plain stacked weights measure as fast or faster
-    (kernels/cpu_ops.cpp, "mixture of experts")."""
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, layout: str = "auto"):
+    """bfloat16: the experts' weights packed once, one PackedExperts (the caller may then free w13
+    and w2: fused_moe reads only the packed copy). layout "brgemm": VNNI tiles for oneDNN's brgemm
+    microkernel (needs AMX and an even hidden size and ffn); "matmul": each expert's w13 [2F, H] and
+    w2 [H, F] in oneDNN's blocked layout; "auto": brgemm where it runs, else matmul. None for other
+    dtypes, whose plain stacked weights measure as fast or faster (kernels/cpu_ops.cpp, "mixture of
+    experts")."""
+    if layout not in ("auto", "brgemm", "matmul"):
+        raise ValueError(f"pack_moe_weights: layout must be auto, brgemm or matmul, not {layout!r}")
     if w13.dtype != torch.bfloat16:
         return None
+    lib = load()
+    if layout != "matmul" and lib.moe_brgemm_available() and w13.shape[2] % 2 == 0 and w2.shape[2] % 2 == 0:
+        return lib.pack_moe_brgemm(w13.detach(), w2.detach())
+    if layout == "brgemm":
+        raise ValueError("pack_moe_weights: the brgemm layout needs AMX and an even hidden size and ffn")
     packs = [pack_linear_weight(w) for stacked in (w13, w2) for w in stacked]
     if not packs or any(p is None for p in packs):
         return None
-    return load().PackedExperts(packs[:len(w13)], packs[len(w13):], w13.shape[2], w2.shape[2])
+    return lib.PackedExperts(packs[:len(w13)], packs[len(w13):], w13.shape[2], w2.shape[2])
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, expert_offset: int = 0, packed=None) -> torch.Tensor:
-    """kernels.reference.fused_moe in one C++ call: tokens sorted by expert, one gate/up and one down
-    matmul per active local expert, the SwiGLU and the weighted combine fused."""
+    """kernels.reference.fused_moe in one C++ call: tokens sorted by expert, gate/up and down matmuls
+    per active local expert (on `packed`, pack_moe_weights' result, when given), the SwiGLU and the
+    weighted combine fused."""
     return load().fused_moe(x.contiguous(), topk_weights.float().contiguous(), topk_ids.long().contiguous(),
                             w13, w2, expert_offset, packed)

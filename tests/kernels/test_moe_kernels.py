@@ -223,3 +223,88 @@ def test_triton_expert_blocks_layout():
         assert blocks[b][:len(real)] == real, "a block's padding comes after its slots"
         seen += real
     assert sorted(seen) == held and seen == sorted(held, key=lambda s: (int(flat[s]), s))
+
+
+def brgemm_ops():
+    """The cpu backend's module where its brgemm expert layout runs here, or a skip saying why not."""
+    if cpu_build.available() is not None:
+        pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})")
+    if not cpu_build.load().moe_brgemm_available():
+        pytest.skip("BRGEMM MoE LAYOUT NOT TESTED: this CPU has no AMX (pack_moe_weights falls back to matmul)")
+    from kernels import cpu_ops
+
+    return cpu_ops
+
+
+# (tokens, hidden, ffn, experts held, expert_offset, the experts every token is pushed to). The
+# kernel runs rows in tiles of 32 and columns in tiles of 32 padded to 16: hidden 72 and ffn 40 / 56
+# end in partial tiles (8 and 8 / 24 columns); 70 tokens all on experts 1 and 2 give one expert 70 rows
+# (two full row tiles and a 6-row one) and leave the others with none.
+BRGEMM_CASES = {
+    "one token": (1, 64, 48, 8, 0, None),
+    "partial tiles": (33, 72, 40, 8, 0, None),
+    "70 rows on two experts": (70, 72, 56, 8, 0, (1, 2)),
+    "experts on another rank": (33, 72, 56, 3, 3, None),
+    "mixtral shape": (64, 576, 768, 8, 0, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BRGEMM_CASES))
+def test_cpu_brgemm_layout(case):
+    """The brgemm layout (bf16 on AMX) against the reference, the float64 definition and the matmul
+    layout, at its edges: experts with no tokens or one, row and column counts that are not multiples
+    of its tiles, experts held by another rank."""
+    cpu_ops = brgemm_ops()
+    num_tokens, hidden, ffn, held, offset, pushed = BRGEMM_CASES[case]
+    x, w13, w2, _ = make_layer(num_tokens, hidden, ffn, torch.bfloat16, seed=num_tokens + ffn, num_experts=held)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(9))
+    if pushed is not None:
+        logits[:, list(pushed)] += 20
+    weights, ids = reference.select_experts(logits, TOP_K, True)
+    local = ids - offset
+    counts = torch.bincount(local[(local >= 0) & (local < held)], minlength=held)
+    if pushed is not None:
+        assert counts.max() == num_tokens and (counts == 0).any()  # the edges this case is for
+    packed = cpu_ops.pack_moe_weights(w13, w2)
+    assert packed.layout == "brgemm" and packed.num_experts == held and packed.nbytes >= w13.nbytes + w2.nbytes
+    got = cpu_ops.fused_moe(x, weights, ids, w13.new_empty(0), w2.new_empty(0), offset, packed)
+    close(got, reference.fused_moe(x, weights, ids, w13, w2, offset), torch.bfloat16)
+    close(got, moe64(x, weights, ids, w13, w2, offset), torch.bfloat16)
+    close(got, cpu_ops.fused_moe(x, weights, ids, w13, w2, offset, cpu_ops.pack_moe_weights(w13, w2, "matmul")),
+          torch.bfloat16)
+    routed_here = ((ids >= offset) & (ids < offset + held)).any(dim=1)
+    assert torch.equal((got != 0).any(dim=1), routed_here), "tokens routed to no local expert must be zero rows"
+
+
+def test_cpu_brgemm_layout_does_not_depend_on_threads():
+    """Work items go to whichever thread asks first, but each writes only its own rows and columns and
+    the combine sums per token: one thread and two give the same bits."""
+    cpu_ops = brgemm_ops()
+    x, w13, w2, logits = make_layer(96, 72, 56, torch.bfloat16, seed=12)
+    weights, ids = reference.select_experts(logits, TOP_K, True)
+    packed = cpu_ops.pack_moe_weights(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.fused_moe(x, weights, ids, w13, w2, 0, packed)
+        torch.set_num_threads(2)
+        two = [cpu_ops.fused_moe(x, weights, ids, w13, w2, 0, packed) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(one, t) for t in two)
+
+
+def test_cpu_pack_moe_weights_layouts():
+    """layout names what to pack; brgemm asked of weights it cannot take is a ValueError, auto falls back."""
+    cpu_ops = brgemm_ops()
+    x, w13, w2, logits = make_layer(5, 41, 24, torch.bfloat16, seed=2)  # odd hidden: no VNNI pairs
+    with pytest.raises(ValueError, match="even hidden size"):
+        cpu_ops.pack_moe_weights(w13, w2, "brgemm")
+    with pytest.raises(ValueError, match="layout must be"):
+        cpu_ops.pack_moe_weights(w13, w2, "vnni")
+    packed = cpu_ops.pack_moe_weights(w13, w2)
+    assert packed.layout == "matmul"
+    weights, ids = reference.select_experts(logits, TOP_K, True)
+    close(cpu_ops.fused_moe(x, weights, ids, w13, w2, 0, packed), reference.fused_moe(x, weights, ids, w13, w2),
+          torch.bfloat16)
+    assert cpu_ops.pack_moe_weights(w13.float(), w2.float(), "brgemm") is None  # float32: plain weights
