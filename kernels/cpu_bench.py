@@ -1,13 +1,15 @@
 """Benchmark the cpu backend against the torch reference, op by op, on the same inputs.
 
-  python -m kernels.cpu_bench [--dtype bfloat16] [--threads N] [--output-json out.json] [--plot out.png]
+  python -m kernels.cpu_bench [--dtype bfloat16] [--threads N] [--only MoE] [--output-json out.json] [--plot out.png]
 
 Shapes are the default model's (SmolLM2-135M: 9 query / 3 KV heads of 64, hidden 576, SwiGLU
 1536, vocabulary 49,152) at the batch sizes of the engine's benchmark: decode = 64 sequences,
-prefill = 2,048 tokens; the MoE rows are a tiny Mixtral-like layer at the same token counts (8
-experts of hidden 576 and ffn 768, top-2; the cpu op on what pack_moe_weights gives it). Decode
-attention runs over as many layers' caches as the model has, so keys and values come from memory
-as they do in a real step, not from a warm cache. Each time is the median of repeated runs, the
+prefill = 2,048 tokens; the MoE rows are a tiny Mixtral-like layer (8 experts of hidden 576 and
+ffn 768, top-2) at decode sizes (1 to 256 tokens) and the prefill budget, and a Qwen-MoE-like one
+(64 fine-grained experts of ffn 256, top-8), the cpu op once per packed layout (pack_moe_weights'
+brgemm and matmul). Decode attention runs over as many layers' caches as the model has, and an MoE
+row over MOE_LAYERS layers' weights, so keys, values and expert weights come from memory as they do
+in a real step, not from a warm cache. Each time is the median of repeated runs, the
 two backends' runs interleaved; the table gives both and their ratio (reference / cpu).
 """
 
@@ -25,6 +27,10 @@ import kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, BLOCK = 30, 9, 3, 64, 576, 1536, 49152, 16
 EXPERTS, TOP_K, EXPERT_FFN = 8, 2, 768
+MOE_LAYERS = 12  # the random mixtral-tiny's depth (engine.bench.random_model)
+# name -> (experts, top_k, ffn, token counts)
+MOE_SHAPES = {"Mixtral-like": (EXPERTS, TOP_K, EXPERT_FFN, (1, 16, 64, 256, 2048)),
+              "Qwen-MoE-like": (64, 8, 256, (16, 256))}
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -76,21 +82,37 @@ def cases(dtype, gen):
             attention_case(b, seqs, q_len, context, layers, dtype, gen) for b in ("torch", "cpu"))
     for rows in (64, 2048):
         out.update(row_cases(rows, dtype, gen))
-    for rows in (64, 2048):
-        out.update(moe_case(rows, dtype, gen))
+    for name, (experts, top_k, ffn, token_counts) in MOE_SHAPES.items():
+        out.update(moe_cases(name, experts, top_k, ffn, token_counts, dtype, gen))
     return out
 
 
-def moe_case(rows: int, dtype, gen) -> dict:
-    """One MoE layer at `rows` tokens: the reference's expert loop against the fused cpu op."""
-    x = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
-    w13 = (torch.randn(EXPERTS, 2 * EXPERT_FFN, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype)
-    w2 = (torch.randn(EXPERTS, HIDDEN, EXPERT_FFN, generator=gen) / EXPERT_FFN ** 0.5).to(dtype)
-    weights, ids = kernels.select_experts(torch.randn(rows, EXPERTS, generator=gen), TOP_K, True)
-    packed = kernels.pack_moe_weights(w13, w2, backend="cpu")
-    name = f"MoE layer ({EXPERTS} experts, top-{TOP_K}, {HIDDEN} x {EXPERT_FFN}), {rows} tokens"
-    return {name: (lambda: kernels.fused_moe(x, weights, ids, w13, w2),
-                   lambda: kernels.fused_moe(x, weights, ids, w13, w2, packed=packed, backend="cpu"))}
+def moe_cases(name: str, experts: int, top_k: int, ffn: int, token_counts, dtype, gen) -> dict:
+    """MOE_LAYERS MoE layers at each token count: the reference's expert loop against the fused cpu
+    op, once per layout pack_moe_weights can give here (bf16: brgemm where the CPU has AMX, and
+    matmul; other dtypes: the plain weights)."""
+    from kernels import cpu_ops
+
+    layers = [((torch.randn(experts, 2 * ffn, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype),
+               (torch.randn(experts, HIDDEN, ffn, generator=gen) / ffn ** 0.5).to(dtype)) for _ in range(MOE_LAYERS)]
+    layouts = {"plain": [None] * MOE_LAYERS}
+    if dtype == torch.bfloat16:
+        layouts = {"matmul": [cpu_ops.pack_moe_weights(w13, w2, "matmul") for w13, w2 in layers]}
+        if cpu_ops.load().moe_brgemm_available():
+            layouts["brgemm"] = [cpu_ops.pack_moe_weights(w13, w2, "brgemm") for w13, w2 in layers]
+    out = {}
+    for rows in token_counts:
+        x = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+        weights, ids = kernels.select_experts(torch.randn(rows, experts, generator=gen), top_k, True)
+
+        def run(packs, backend, x=x, weights=weights, ids=ids):
+            for (w13, w2), packed in zip(layers, packs):
+                kernels.fused_moe(x, weights, ids, w13, w2, packed=packed, backend=backend)
+        for layout, packs in layouts.items():
+            key = (f"{name} MoE ({experts} experts, top-{top_k}, {HIDDEN} x {ffn}, {MOE_LAYERS} layers), "
+                   f"{rows} tokens, {layout}")
+            out[key] = (lambda run=run: run([None] * MOE_LAYERS, "torch"), lambda run=run, p=packs: run(p, "cpu"))
+    return out
 
 
 def row_cases(rows: int, dtype, gen) -> dict:
@@ -123,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--only", default=None, help="time only the ops whose name contains this text (e.g. MoE)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the ratios (needs matplotlib)")
     args = p.parse_args(argv)
@@ -131,7 +154,8 @@ def main(argv=None) -> int:
     kernels.resolve_backend("cpu", "cpu")  # builds the C++ kernels now, or says why it cannot
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, (ref, cpu) in tqdm(cases(DTYPES[args.dtype], gen).items(), desc="ops"):
+    selected = {k: v for k, v in cases(DTYPES[args.dtype], gen).items() if args.only is None or args.only in k}
+    for name, (ref, cpu) in tqdm(selected.items(), desc="ops"):
         ref_ms, cpu_ms = median_ms((ref, cpu), args.runs)
         rows.append({"op": name, "torch_ms": ref_ms, "cpu_ms": cpu_ms, "speedup": ref_ms / cpu_ms})
     print(f"\ndtype {args.dtype}, threads {torch.get_num_threads()}, median of {args.runs} runs\n")

@@ -20,7 +20,7 @@ def test_cpu_bench_writes_every_op(tmp_path):
                            "--plot", str(tmp_path / "bench.png")]) == 0
     result = json.loads(out.read_text())
     ops = [r["op"] for r in result["rows"]]
-    assert len(ops) == len(set(ops)) == 15  # 4 attention cases, 6 per-token ops, 3 matmuls, 2 MoE layers
+    assert len(ops) == len(set(ops)) == 20  # 4 attention cases, 6 per-token ops, 3 matmuls, 7 MoE sizes
     for r in result["rows"]:
         assert r["torch_ms"] > 0 and r["cpu_ms"] > 0
         assert r["speedup"] == pytest.approx(r["torch_ms"] / r["cpu_ms"])
