@@ -23,7 +23,8 @@ from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
 from engine.cpu_threads import check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
-from engine.loader import ModelSource, checkpoint_tensors, load_weights
+from engine.loader import ModelSource
+from engine.weights import checkpoint_tensors, load_weights
 from engine.models.registry import model_class
 from engine.distributed.state import min_over_ranks, pp_state, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens

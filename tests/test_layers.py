@@ -19,7 +19,7 @@ LAYERS = [
     ("executor", ["engine.executor"]),
     ("runner", ["engine.model_runner", "engine.step_inputs", "engine.cuda_graphs", "engine.sampler",
                 "engine.structured_output", "engine.host_memory"]),
-    ("models", ["engine.models", "engine.loader", "engine.safetensors_slices", "engine.gguf_loader",
+    ("models", ["engine.models", "engine.loader", "engine.weights", "engine.safetensors_slices", "engine.gguf_loader",
                 "engine.default_model"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
     ("distributed", ["engine.distributed"]),

@@ -10,7 +10,7 @@ Which tensors a format applies to is the engine's rule for `--quantization` (spe
 linear layers' weights; embeddings, the LM head, norms and biases stay at the model's dtype (a GGUF file's
 own embedding and LM head blocks are held as stored, engine/layers/embedding.py), the MoE router in float32, and routed
 experts at the model's dtype (the engine's fused experts have no quantized path: a GGUF's expert blocks are
-dequantized at load, engine/loader.py).
+dequantized at load, engine/weights.py).
 """
 
 from __future__ import annotations

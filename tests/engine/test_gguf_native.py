@@ -18,7 +18,8 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from engine.loader import checkpoint_tensors, load_weights, resolve_model
+from engine.loader import resolve_model
+from engine.weights import checkpoint_tensors, load_weights
 from tests.engine.engine_runs import engine_greedy
 from tests.kernels.gguf_blocks import quantize
 from tests.tiny_model import build_tiny_model
@@ -161,7 +162,7 @@ def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
     path = tmp_path / "q4_k_m.gguf"
     six = {"output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}
     write_gguf(path, folder, "llama", "Q4_K", override=dict.fromkeys(six, "Q6_K"))
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.weights"):
         model = _loaded(path)
     layers = model.model.layers
     assert layers["0"].self_attn.qkv_proj.quant_format is None
@@ -190,7 +191,7 @@ def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog,
     folder = tiny(arch)
     path = tmp_path / "q.gguf"
     write_gguf(path, folder, arch, "Q4_1", override={"token_embd.weight": "Q8_0"})
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.weights"):
         model = _loaded(path)
     layer = model.model.layers["0"]
     assert layer.self_attn.qkv_proj.quant_format.name == "Q4_1"
@@ -217,7 +218,7 @@ def test_mixed_types_in_one_layer_are_dequantized_with_a_log_line(tmp_path, tiny
     folder = tiny("llama")
     path = tmp_path / "mixed.gguf"
     write_gguf(path, folder, "llama", "Q4_0", override={"blk.0.attn_v.weight": "Q8_0"})
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.weights"):
         model = _loaded(path)
     assert model.model.layers["0"].self_attn.qkv_proj.quant_format is None
     assert model.model.layers["1"].self_attn.qkv_proj.quant_format.name == "Q4_0"
@@ -230,7 +231,7 @@ def test_a_type_without_a_native_kernel_is_dequantized_and_said_so(tmp_path, tin
     folder = tiny("llama")
     path = tmp_path / "q5.gguf"
     write_gguf(path, folder, "llama", "Q4_0", override={"blk.1.ffn_down.weight": "Q5_0"})
-    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+    with caplog.at_level(logging.WARNING, logger="engine.weights"):
         model = _loaded(path)
     assert model.model.layers["1"].mlp.down_proj.quant_format is None
     assert model.model.layers["1"].mlp.gate_up_proj.quant_format.name == "Q4_0"

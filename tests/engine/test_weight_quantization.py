@@ -19,7 +19,8 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig
-from engine.loader import checkpoint_tensors, load_weights, resolve_model
+from engine.loader import resolve_model
+from engine.weights import checkpoint_tensors, load_weights
 from engine.quant.quantize import quantize
 from tests.engine.engine_runs import engine_greedy
 from tests.engine.hf_oracle import hf_greedy

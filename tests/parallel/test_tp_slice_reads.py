@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import SafetensorsFolder
+from engine.weights import SafetensorsFolder
 from engine.safetensors_slices import SafetensorsSlice
 from tests.parallel.read_counting import READS_DIR_ENV, count_checkpoint_reads, counting_worker_main
 

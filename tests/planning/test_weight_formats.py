@@ -96,7 +96,8 @@ def engine_resident_bytes(path: str, **quantization) -> int:
     """Bytes of every parameter of the engine's model after loading `path` (a GGUF file or a folder)."""
     import torch
 
-    from engine.loader import checkpoint_tensors, load_weights, resolve_model
+    from engine.loader import resolve_model
+    from engine.weights import checkpoint_tensors, load_weights
     from engine.models.registry import model_class
 
     source = resolve_model(path, tokenizer_path=None, **quantization)
