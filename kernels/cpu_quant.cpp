@@ -629,8 +629,9 @@ void by_format(int64_t fmt, Fn&& fn) {
 // ---- the ops -------------------------------------------------------------------------------------
 
 // x [M, K] float32 or bfloat16 contiguous, w [N, K / block weights * block bytes] uint8 -> y [M, N] in
-// x's dtype. bf16 rows are widened here and the sums rounded once on the way out: at one row the two
-// conversions as separate torch ops cost more host time than the matmul of a small projection.
+// x's dtype. bf16 rows are widened here: at one row the conversions as separate torch ops cost more
+// host time than the matmul of a small projection. Sums are rounded to bf16 as they are written for one
+// row; for more, into a float result converted once (vectorized, not c10's scalar rounding per output).
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
@@ -650,8 +651,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   }
   by_format(fmt, [&](auto F) {
     constexpr int64_t f = decltype(F)::value;
-    if (bf16) linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
-    else linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+    if (bf16 && M == 1) linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
+    else if (bf16) {
+      auto yf = at::empty({M, N}, x.options().dtype(at::kFloat));
+      linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), yf.data_ptr<float>(), M, N, K);
+      y.copy_(yf);
+    } else linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
   });
   return y;
 }

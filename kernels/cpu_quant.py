@@ -5,7 +5,8 @@ A weight is its GGUF rows as stored: uint8 [N, K / block weights * block bytes],
 along each row (blocks of 32 weights for Q8_0/Q4_0/Q4_1, super-blocks of 256 for Q4_K/Q6_K; the
 C++ file gives each format's block layout). Which kernel runs, by the number of activation rows M
 (measured on the 2-core AVX-512 machine, benchmarks/quant/):
-  M <= DEQUANT_GEMM_ROWS   linear_f32: each block dequantized to float in registers and FMA'd
+  M <= DEQUANT_GEMM_ROWS   (LARGE_REGISTER_ROWS for bf16 rows against a weight of TILED_GEMM_WEIGHTS or
+                           more: an LM head) linear_f32: each block dequantized to float in registers and FMA'd
                            against up to 4 rows at once; exact float math, so it agrees with the
                            dequantize-then-matmul reference to summation order.
   M >  DEQUANT_GEMM_ROWS   bf16 activations: linear_bf16_tiled, 64 weight rows at a time
@@ -46,6 +47,7 @@ DEQUANT_GEMM_ROWS = 16
 # least TILED_GEMM_WEIGHTS elements, whose dequantized copy would not stay in cache.
 TILED_GEMM_ROWS = 128
 TILED_GEMM_WEIGHTS = 8 << 20
+LARGE_REGISTER_ROWS = 8
 
 
 def _check(blocks: torch.Tensor, fmt: str) -> int:
@@ -70,7 +72,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     """x [..., K] @ dequantize(blocks)^T (+ bias) -> [..., N] in x.dtype."""
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > DEQUANT_GEMM_ROWS:
+    if not _register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
         if x.dtype == torch.bfloat16 and _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1]):
             y = load_quant().linear_bf16_tiled(rows.contiguous(), blocks, kernel_id)
             if bias is not None:
@@ -90,6 +92,16 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
 
 def _tiled(rows: int, weights: int) -> bool:
     return (rows <= TILED_GEMM_ROWS or weights >= TILED_GEMM_WEIGHTS) and has_brgemm_bf16()
+
+
+def _register_rows(rows: int, weights: int, bf16: bool) -> bool:
+    """Whether the register kernel takes `rows`: up to DEQUANT_GEMM_ROWS, but for bf16 rows against a
+    weight too big for cache (an LM head) only up to LARGE_REGISTER_ROWS, past which the tiled
+    kernel's one dequantization beats the register kernel's pass per 4 rows (measured, cold cache:
+    49152 x 576 Q8_0 at 16 rows 8.3 vs 5.0 ms, at 8 rows 4.4 vs 4.7)."""
+    if bf16 and weights >= TILED_GEMM_WEIGHTS and has_brgemm_bf16():
+        return rows <= LARGE_REGISTER_ROWS
+    return rows <= DEQUANT_GEMM_ROWS
 
 
 def has_brgemm_bf16() -> bool:

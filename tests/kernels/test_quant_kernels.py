@@ -142,6 +142,22 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
 
 
+def test_lm_head_sized_weight_past_the_register_rows():
+    """A weight of TILED_GEMM_WEIGHTS or more (an LM head) takes the tiled kernel from
+    LARGE_REGISTER_ROWS + 1 bf16 rows; both sides of the switch match the reference."""
+    _cpu_kernels_or_skip()
+    from engine.quant.quantize import quantize_int8
+
+    n, k = cpu_quant.TILED_GEMM_WEIGHTS // 512, 512
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    blocks = quantize_int8(w).blocks
+    wd = FORMATS["Q8_0"].dequantize(blocks)
+    for m in (cpu_quant.LARGE_REGISTER_ROWS, cpu_quant.LARGE_REGISTER_ROWS + 1):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        got = cpu_quant.linear(x, blocks, "Q8_0")
+        assert ((got.double() - x.double() @ wd.double().T).abs() <= _tolerance(x, wd, 2 * 2.0 ** -8)).all(), m
+
+
 def test_cpu_linear_takes_leading_dims():
     _cpu_kernels_or_skip()
     for fmt in ("Q4_1", "Q6_K"):
