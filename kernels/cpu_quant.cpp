@@ -48,7 +48,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -272,6 +272,177 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
     });
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
+#elif defined(CPU_CAPABILITY_AVX2)
+
+// The same kernels on 256-bit vectors (AVX2 + FMA + F16C: AMD Zen 2/3, Intel before Skylake-X): a
+// run of 32 weights is four vectors of 8 floats. The products are those of the AVX-512 path, so the
+// two builds give the same weights bit for bit.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline __m256 half_bcast(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(bits)));
+}
+
+// The low 8 bytes of v as 8 floats, unsigned or signed.
+inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline __m128i high_half(__m128i v) { return _mm_unpackhi_epi64(v, v); }
+
+// sink(i, w) for each run of 32 weights i..i+31 of the block, w[0..3] 8 weights each in order.
+template <typename Sink>
+inline void decode_q8_0(const uint8_t* b, Sink&& sink) {
+  const __m256 d = half_bcast(b);
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+  const __m256 w[4] = {_mm256_mul_ps(i8_to_ps(q0), d), _mm256_mul_ps(i8_to_ps(high_half(q0)), d),
+                       _mm256_mul_ps(i8_to_ps(q1), d), _mm256_mul_ps(i8_to_ps(high_half(q1)), d)};
+  sink(0, w);
+}
+
+// 16 bytes of nibbles (low nibbles first, then high ones) -> 32 weights q * d + m.
+inline void q4_run(__m128i v, __m256 d, __m256 m, __m256 w[4]) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  w[0] = _mm256_fmadd_ps(u8_to_ps(lo), d, m);
+  w[1] = _mm256_fmadd_ps(u8_to_ps(high_half(lo)), d, m);
+  w[2] = _mm256_fmadd_ps(u8_to_ps(hi), d, m);
+  w[3] = _mm256_fmadd_ps(u8_to_ps(high_half(hi)), d, m);
+}
+
+template <typename Sink>
+inline void decode_q4(const uint8_t* qs, __m256 d, __m256 m, Sink&& sink) {
+  __m256 w[4];
+  q4_run(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), d, m, w);
+  sink(0, w);
+}
+
+template <typename Sink>
+inline void decode_q4_k(const uint8_t* b, Sink&& sink) {
+  uint8_t sm[16];  // sc[0..7], mn[0..7]
+  q4_k_scales_mins(b + 4, sm);
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
+  alignas(32) float scale[8], neg_min[8];
+  _mm256_store_ps(scale, _mm256_mul_ps(half_bcast(b), sc));
+  _mm256_store_ps(neg_min, _mm256_mul_ps(half_bcast(b + 2), _mm256_sub_ps(_mm256_setzero_ps(), mn)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 32 * c));
+    const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 32 * c));
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * c + h;
+      const __m128i q0 = _mm_and_si128(h ? _mm_srli_epi16(v0, 4) : v0, mask);
+      const __m128i q1 = _mm_and_si128(h ? _mm_srli_epi16(v1, 4) : v1, mask);
+      const __m256 d = _mm256_set1_ps(scale[j]), m = _mm256_set1_ps(neg_min[j]);
+      const __m256 w[4] = {_mm256_fmadd_ps(u8_to_ps(q0), d, m), _mm256_fmadd_ps(u8_to_ps(high_half(q0)), d, m),
+                           _mm256_fmadd_ps(u8_to_ps(q1), d, m), _mm256_fmadd_ps(u8_to_ps(high_half(q1)), d, m)};
+      sink(32 * j, w);
+    }
+  }
+}
+
+template <typename Sink>
+inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
+  // As the AVX-512 path: one FMA gives (d * sc) * q - 32 (d * sc), which is (d * sc) * (q - 32).
+  alignas(32) float scale[16], offset[16];
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m256 d = half_bcast(b + 208);
+  const __m256 s0 = _mm256_mul_ps(d, i8_to_ps(sc)), s1 = _mm256_mul_ps(d, i8_to_ps(high_half(sc)));
+  _mm256_store_ps(scale, s0);
+  _mm256_store_ps(scale + 8, s1);
+  _mm256_store_ps(offset, _mm256_mul_ps(s0, _mm256_set1_ps(-32.0f)));
+  _mm256_store_ps(offset + 8, _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f)));
+  const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    const __m128i l0 = load(ql), l1 = load(ql + 16), l2 = load(ql + 32), l3 = load(ql + 48);
+    const __m128i h0 = load(qh), h1 = load(qh + 16);
+    // 16 weights of group g from their low nibbles and bits `shift`.. of qh, as two vectors.
+    const auto group = [&](__m128i low, __m128i hi, int shift, int g, __m256* w) {
+      const __m128i high = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(shift)), mask2);
+      const __m128i q = _mm_or_si128(low, _mm_slli_epi16(high, 4));
+      const __m256 s = _mm256_set1_ps(scale[g]), o = _mm256_set1_ps(offset[g]);
+      w[0] = _mm256_fmadd_ps(u8_to_ps(q), s, o);
+      w[1] = _mm256_fmadd_ps(u8_to_ps(high_half(q)), s, o);
+    };
+    const auto quarter = [&](int t, __m128i low0, __m128i low1) {
+      __m256 w[4];
+      group(low0, h0, 2 * t, 8 * h + 2 * t, w);
+      group(low1, h1, 2 * t, 8 * h + 2 * t + 1, w + 2);
+      sink(128 * h + 32 * t, w);
+    };
+    quarter(0, _mm_and_si128(l0, mask4), _mm_and_si128(l1, mask4));
+    quarter(1, _mm_and_si128(l2, mask4), _mm_and_si128(l3, mask4));
+    quarter(2, _mm_and_si128(_mm_srli_epi16(l0, 4), mask4), _mm_and_si128(_mm_srli_epi16(l1, 4), mask4));
+    quarter(3, _mm_and_si128(_mm_srli_epi16(l2, 4), mask4), _mm_and_si128(_mm_srli_epi16(l3, 4), mask4));
+  }
+}
+
+template <int64_t F, typename Sink>
+inline void decode(const uint8_t* b, Sink&& sink) {
+  if constexpr (F == kQ8_0) decode_q8_0(b, sink);
+  if constexpr (F == kQ4_0) decode_q4(b + 2, half_bcast(b), _mm256_mul_ps(half_bcast(b), _mm256_set1_ps(-8.0f)), sink);
+  if constexpr (F == kQ4_1) decode_q4(b + 4, half_bcast(b), half_bcast(b + 2), sink);
+  if constexpr (F == kQ4_K) decode_q4_k(b, sink);
+  if constexpr (F == kQ6_K) decode_q6_k(b, sink);
+}
+
+template <int64_t F>
+inline void decode_floats(const uint8_t* b, float* w) {
+  decode<F>(b, [&](int64_t i, const __m256* v) {
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + i + 8 * k, v[k]);
+  });
+}
+
+// 8 floats -> 8 bfloat16, rounded to nearest even; NaN stays NaN.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // Each value fits 16 bits; packus works within 128-bit lanes, so gather the two lanes' halves.
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R activation rows (stride K) against one weight row of nb blocks: R dot products. A decode row
+// (R <= 2) keeps four accumulators so the FMA latency chain does not bind; more rows keep two each,
+// as 16 vector registers hold no more.
+template <int64_t F, int R>
+inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, float* out) {
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
+  constexpr int A = R <= 2 ? 4 : 2;
+  __m256 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (R <= 2) {
+      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
+      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
+    }
+    decode<F>(w + b * bb, [&](int64_t i, const __m256* v) {
+      const float* xb = x + b * bw + i;
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 4; ++k) acc[r][k % A] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(xb + r * K + 8 * k), acc[r][k % A]);
+    });
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    out[r] = hsum(s);
+  }
 }
 
 #else
@@ -713,6 +884,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
 #if defined(CPU_CAPABILITY_AVX512)
             for (int64_t i = 0; i < bw; i += 16)  // c10's scalar rounding cost 4x the decoding
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16(_mm512_loadu_ps(buf + i)));
+#elif defined(CPU_CAPABILITY_AVX2)
+            for (int64_t i = 0; i < bw; i += 8)
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16(_mm256_loadu_ps(buf + i)));
 #else
             for (int64_t i = 0; i < bw; ++i) o[i] = c10::BFloat16(buf[i]);
 #endif
