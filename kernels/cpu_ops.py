@@ -92,6 +92,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     1.2-1.5x, float32 2-3x (F.linear's float32 path is MKL's sgemm)."""
     if not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # no native bf16 (an AVX2-only CPU): oneDNN refuses to pack, F.linear still runs
     try:  # torch's private op (inductor's CPU freezing packs weights with it): absent, use F.linear
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
     except (AttributeError, RuntimeError) as e:
