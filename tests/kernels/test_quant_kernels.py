@@ -217,16 +217,19 @@ def test_quantized_tensor_narrows_on_whole_blocks(fmt):
         t.narrow(1, 32 if bs == 256 else 16, 2 * bs)
 
 
-# The portable path (no AVX-512): the same checks in a process whose torch reports no vector ISA,
-# so kernels/cpu_build.py compiles cpu_quant.cpp without it (a build of its own, ~1 min).
+# The narrower builds: the same checks in a process whose torch reports a lesser vector ISA (AVX2,
+# or none: the portable path), so kernels/cpu_build.py compiles cpu_quant.cpp for it (a build of
+# its own, ~1 min each).
 _PORTABLE_CHECK = """
+import sys
 import torch
-assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+assert torch.backends.cpu.get_cpu_capability() == sys.argv[1], torch.backends.cpu.get_cpu_capability()
 from tests.kernels import test_quant_kernels as t
 from kernels import cpu_quant
 for fmt in t.FORMAT_NAMES:
     blocks, w = t._random_blocks(fmt, 19, t._k(fmt, 3))
     assert torch.equal(cpu_quant.dequantize(blocks, fmt), w), fmt
+    assert torch.equal(cpu_quant.dequantize(blocks, fmt, torch.bfloat16), w.bfloat16()), fmt
     blocks, w = t._weight(fmt, 37, t._k(fmt, 3))
     for m in t.ROWS:
         x = torch.randn(m, w.shape[1])
@@ -237,10 +240,13 @@ print("portable ok")
 
 
 @pytest.mark.slow
-def test_portable_path_matches_dequantized_reference():
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_narrower_builds_match_dequantized_reference(isa):
     _cpu_kernels_or_skip()
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower()}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], env=env, cwd=root, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, isa], env=env, cwd=root, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and "portable ok" in out.stdout, out.stderr[-3000:]
