@@ -110,8 +110,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
                                            "auto picks by device")
-    num_threads: int | None = _knob(None, "CPU: torch intra-op threads (default: the CPUs this process may use, "
-                                          "its affinity capped by its cgroup CPU quota)")
+    num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
+                                          "use, its affinity capped by its cgroup CPU quota, fewer while other "
+                                          "processes keep them busy)")
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
     data_parallel_size: int = _knob(1, "independent engine replicas behind one server")

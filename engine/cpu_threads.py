@@ -18,8 +18,20 @@ a test run beside a server):
   when torch loads it, so this must run before torch is imported: `import engine` does it; a
   program that imported torch first keeps torch's default (logged once, with what to do).
 
-Neither is an EngineConfig knob: the thread count is (`num_threads`, whose default this computes),
-and the spin is OpenMP's own standard setting, which a user may set either way.
+- How many of those to use right now (LoadFollower): bounding the spin did not close the gap. Two
+  threads on two CPUs, each CPU time-shared with another process, still wait on each other at the
+  end of every parallel region, a scheduler time slice at a time, so under one busy loop per CPU
+  the engine kept 0.37-0.46x of its quiet throughput and at times less than one thread gets.
+  So with the default thread count the engine looks, a few times a second between steps, at how
+  many threads of other processes are runnable (the kernel's count of running tasks less this
+  process's own). While they leave CPUs idle it uses them all; while they keep some busy it
+  measures, step by step, whether all the CPUs or only the ones they leave free process more tokens
+  per second, and keeps the better (neither wins everywhere: LoadFollower says when each did).
+  BENCHMARKS.md ("Threads that follow the load") has the numbers.
+
+Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
+number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
+standard setting, which a user may set either way.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import logging
 import math
 import os
 import sys
+import time
+from collections import deque
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +98,126 @@ def usable_cpus(root: str = "/sys/fs/cgroup") -> int:
     if limit is not None:
         cpus = min(cpus, max(1, math.ceil(limit)))
     return max(1, cpus)
+
+
+def runnable_elsewhere(proc: str = "/proc") -> int | None:
+    """Threads of other processes runnable at this instant (running or waiting for a CPU): the
+    kernel's count of running tasks (/proc/loadavg) less this process's own threads in state R
+    (the reader, and OpenMP workers still spinning). None where /proc does not tell (not Linux)."""
+    try:
+        with open(os.path.join(proc, "loadavg")) as f:
+            running = int(f.read().split()[3].split("/")[0])
+        ours = 0
+        task_dir = os.path.join(proc, "self", "task")
+        for tid in os.listdir(task_dir):
+            try:
+                with open(os.path.join(task_dir, tid, "stat"), "rb") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended between the listing and the read
+                continue
+            ours += stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"R"
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - ours)
+
+
+# How much faster the smaller thread count must measure before the follower keeps it (see below).
+CLEARLY_FASTER = 1.1
+
+
+class LoadFollower:
+    """The compute thread count on CPUs that other processes share, within `cpus` (usable_cpus()).
+
+    before_step() and after_step() bracket every step, on the thread that runs the forward (torch's
+    thread count is that thread's OpenMP setting). At most every `interval_s`, before_step samples
+    runnable_elsewhere(); the mean of the last `window` samples, rounded, is the CPUs the others
+    take from the machine's `online` ones, and what they leave, `free` (at least 1), is a candidate.
+    Quiet (free >= cpus): every usable CPU. Contended, which of `cpus` and `free` threads is better
+    depends on the work and on the others: measured with one busy loop per CPU, 64 x 128/128 kept
+    more output with 2 threads (each time-sharing a CPU: more of the machine, minus the waits at
+    every parallel region) than with 1, while two engines side by side each did better with 1 (the
+    CPUs split between them, no waits). So the follower measures instead of guessing: for `probe_s`
+    seconds the steps alternate between the candidates (neighbouring steps are alike, so each sees
+    the same mix of prefill and decode), then it keeps the smaller count only if it processed
+    CLEARLY_FASTER times the tokens per second of step time, else every CPU, and probes again after
+    `hold_s` seconds or when the candidates change. Why "clearly": a probe reads the two counts as
+    even under busy loops (1 thread 76-97 tok/s, 2 threads 75-102) where the sustained run with one
+    thread kept 15% less, and 1.15-1.3x apart between two engines, where one thread each kept 22%
+    more. A sample costs ~0.2 ms (a /proc read per
+    thread of this process): at 5 a second, 0.1% of a CPU."""
+
+    def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
+                 probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
+                 set_threads=None):
+        import torch
+
+        self.cpus = cpus
+        self.online = online or os.cpu_count() or cpus
+        self.interval_s, self.probe_s, self.hold_s = interval_s, probe_s, hold_s
+        self.samples: deque[int] = deque(maxlen=window)
+        self.sample, self.clock = sample, clock
+        self.set_threads = set_threads or torch.set_num_threads
+        self.threads = cpus
+        self.next_sample_at = 0.0
+        self.candidates: tuple[int, ...] = (cpus,)
+        self.trials: dict[int, list[float]] = {}  # threads -> [tokens, step seconds] while probing
+        self.probes = 0  # steps run in the current probe: they alternate over the candidates
+        self.phase_ends = 0.0  # the current probe's, or the current choice's hold
+        self.set_threads(cpus)
+
+    def _use(self, threads: int, why: str, level: int = logging.INFO) -> None:
+        if threads != self.threads:
+            logger.log(level, "compute threads %d -> %d (%s)", self.threads, threads, why)
+            self.threads = threads
+            self.set_threads(threads)
+
+    def before_step(self) -> int:
+        """Resample when due, move the probe on; the thread count for this step."""
+        now = self.clock()
+        if now >= self.next_sample_at:
+            self.next_sample_at = now + self.interval_s
+            others = self.sample()
+            if others is not None:
+                self.samples.append(others)
+            if len(self.samples) == self.samples.maxlen:  # before that: too few samples to act on
+                load = math.floor(sum(self.samples) / len(self.samples) + 0.5)
+                free = max(1, min(self.cpus, self.online - load))
+                candidates = (self.cpus,) if free >= self.cpus else (self.cpus, free)
+                if candidates != self.candidates:
+                    self.candidates, self.trials = candidates, {}
+                    if len(candidates) == 1:
+                        self._use(self.cpus, "the other processes left")
+                    else:
+                        logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
+                        self.phase_ends = now  # probe from this step on
+        if len(self.candidates) > 1:
+            if now >= self.phase_ends:
+                if self.trials:
+                    self._choose(now)
+                else:  # start a probe
+                    self.trials = {c: [0.0, 0.0] for c in self.candidates}
+                    self.probes = 0
+                    self.phase_ends = now + self.probe_s
+            if self.trials:
+                self._use(self.candidates[self.probes % len(self.candidates)], "probing", logging.DEBUG)
+                self.probes += 1
+        return self.threads
+
+    def after_step(self, tokens: int, seconds: float) -> None:
+        """Credit a finished step to the thread count it ran with, while probing."""
+        if self.threads in self.trials:
+            trial = self.trials[self.threads]
+            trial[0] += tokens
+            trial[1] += seconds
+
+    def _choose(self, now: float) -> None:
+        rates = {c: tokens / seconds for c, (tokens, seconds) in self.trials.items() if seconds > 0}
+        self.trials = {}
+        self.phase_ends = now + self.hold_s
+        if len(rates) < len(self.candidates):  # a probe without steps of each: keep every usable CPU
+            self._use(self.cpus, "no steps to compare")
+            return
+        fewest = min(rates)
+        pick = fewest if rates[fewest] >= CLEARLY_FASTER * rates[self.cpus] else self.cpus
+        self._use(pick, "measured with other processes running: " +
+                  ", ".join(f"{c} threads {r:.0f} tok/s" for c, r in sorted(rates.items())))

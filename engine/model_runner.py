@@ -21,7 +21,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
-from engine.cpu_threads import check_openmp_spin, usable_cpus
+from engine.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
 from engine.loader import ModelSource
 from engine.weights import checkpoint_tensors, load_weights
@@ -127,9 +127,13 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.threads: LoadFollower | None = None  # the default CPU thread count, following other processes' load
         if self.device.type == "cpu":
             keep_freed_memory()
-            torch.set_num_threads(config.num_threads or usable_cpus())
+            if config.num_threads is None:
+                self.threads = LoadFollower(usable_cpus())
+            else:
+                torch.set_num_threads(config.num_threads)
             check_openmp_spin()
         # The kernels, chosen once: the backend's name (for reports) and its ops, which every layer
         # reaches through the forward context execute_model sets.
@@ -496,6 +500,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's changes, run its forward, sample; then make the forks' block copies
         (they read blocks this forward wrote). None on a rank that does not sample."""
+        if self.threads is not None:
+            self.threads.before_step()
+            started = time.perf_counter()
         self.update_states(sched)
         step = self._prepare_inputs(sched)
         hidden, residual, logits, prompt_logits = self._forward(step)
@@ -513,6 +520,8 @@ class ModelRunner:
                 with forward_context(step.meta, self.backend):  # the final norm runs again
                     self._pool(out, hidden, residual, step.pool_chunks, step.pool_ends)
         self.copy_blocks(sched.block_copies)
+        if self.threads is not None:
+            self.threads.after_step(sched.num_tokens, time.perf_counter() - started)
         return out
 
     @staticmethod

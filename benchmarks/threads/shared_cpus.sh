@@ -3,9 +3,10 @@
 # thread changes (engine/cpu_threads.py). BEFORE and AFTER are checkouts (git worktrees) of the two
 # commits; each run is `engine bench throughput` from that checkout, so each gets its own code.
 #   benchmarks/threads/shared_cpus.sh /tmp/before /work/main benchmarks/threads
+# DTYPE (default bfloat16) picks the model's dtype: float32 is the engine's own CPU default.
 set -u
 BEFORE=$1 AFTER=$2 OUT=$3
-JOB="--backend engine --dtype bfloat16 --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
+JOB="--backend engine --dtype ${DTYPE:-bfloat16} --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
 run() {  # label checkout [extra args]
   local label=$1 dir=$2; shift 2
   (cd "$dir" && python -m engine bench throughput $JOB "$@" --output-json "$OUT/$label.json" >/dev/null 2>&1)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 
 from engine.arg_utils import SERVING_ONLY, ArgumentParser, HelpFormatter, add_engine_args
 from engine.bench.backends import BACKENDS
-from engine.bench.common import parse_servers
+from engine.bench.common import cores, parse_servers
 
 DESCRIPTION = """\
 Benchmark pagewise against vLLM, llama.cpp and Hugging Face transformers on identical requests.
@@ -87,10 +86,6 @@ ENDPOINTS = {"completions": "completions", "chat": "chat",
              "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _mapped(mapping: dict[str, str], flag: str):
     def parse(text: str) -> str:
         if text not in mapping:
@@ -110,9 +105,9 @@ def _common(p: argparse.ArgumentParser, serving: bool = False) -> argparse._Argu
     # --model, --tokenizer, --dtype, --seed, --kv-cache-memory, --block-size, ...; the serving-only
     # ones (admission, request logs) only where bench starts a server.
     add_engine_args(p, skip=() if serving else SERVING_ONLY)
-    p.set_defaults(num_threads=_cores())
-    _set_help(p, "num_threads", "CPU: torch compute threads of every backend, pinned with torch.set_num_threads "
-                                "(default: all cores, here %(default)s)")
+    _set_help(p, "num_threads", "CPU: compute threads of every backend, pinned (default: each peer gets all cores, "
+                                f"here {cores()}; the engine keeps its own default, the usable CPUs less those "
+                                "other processes keep busy)")
     _set_help(p, "seed", "seed of the request draw and of every backend (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--output-json", metavar="PATH", help="write the settings, environment and results here as "

@@ -11,6 +11,16 @@ import json
 import os
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity mask)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def peer_threads(args) -> int:
+    """The threads a peer (transformers, vLLM, llama.cpp) computes with: --num-threads, else all cores."""
+    return args.num_threads or cores()
+
+
 def parse_percentiles(text: str) -> list[float]:
     """--metric-percentiles "50,90,99" -> [50.0, 90.0, 99.0], each in (0, 100)."""
     try:

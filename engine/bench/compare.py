@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from engine.bench.backends.vllm import cpu_env
+from engine.bench.common import peer_threads
 from engine.bench.datasets import SampleRequest, save_requests
 from engine.bench.launch import REPO_ROOT, python_path_env
 
@@ -70,7 +71,7 @@ def child_env(backend: str, args) -> dict[str, str]:
         except ImportError:
             on_cuda = False
         if not on_cuda:
-            extra.update({k: os.environ.get(k, v) for k, v in cpu_env(args.num_threads).items()})
+            extra.update({k: os.environ.get(k, v) for k, v in cpu_env(peer_threads(args)).items()})
     return python_path_env(extra)
 
 

@@ -10,20 +10,24 @@ import sys
 import time
 
 from engine.bench.backends import get_backend
+from engine.bench.common import peer_threads
 from engine.bench.datasets import SampleRequest
 from engine.bench.metrics import distribution, throughput_metrics
 
 
-def set_threads(n: int) -> int:
+def set_threads(args) -> int | str:
+    """Pin a peer's threads (or the engine's, given --num-threads); the engine's default follows the load."""
     import torch
 
-    torch.set_num_threads(n)
+    if args.backend == "engine" and args.num_threads is None:
+        return "auto"  # the engine default: the usable CPUs, fewer under load
+    torch.set_num_threads(peer_threads(args))
     return torch.get_num_threads()
 
 
 def start_backend(args, requests: list[SampleRequest]):
     """Build, load and warm up the backend; returns (backend, facts about the start-up)."""
-    threads = set_threads(args.num_threads)
+    threads = set_threads(args)
     backend = get_backend(args.backend)(args)
     t0 = time.perf_counter()
     backend.load()

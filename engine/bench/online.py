@@ -11,7 +11,7 @@ import os
 import sys
 
 from engine.bench import report, serve
-from engine.bench.common import load_tokenizer, report_settings
+from engine.bench.common import load_tokenizer, peer_threads, report_settings
 from engine.bench.datasets import build_requests
 
 # Launched servers that close a connection after each streamed response though they announce
@@ -44,7 +44,7 @@ def launch_cmd(args, which: str, requests=None) -> tuple[list[str], dict]:
         from engine.bench.launch import llamacpp_server_cmd
 
         return llamacpp_server_cmd(llamacpp.find_server(args.llamacpp_server), llamacpp.resolve_gguf(args),
-                                   args.num_threads, llamacpp.server_slots(args),
+                                   peer_threads(args), llamacpp.server_slots(args),
                                    llamacpp.slot_context(args, requests), args.served_model_name,
                                    args.llamacpp_server_arg), {}
     import torch
@@ -59,7 +59,7 @@ def launch_cmd(args, which: str, requests=None) -> tuple[list[str], dict]:
     # vLLM-CPU: every core for compute, and the same explicit KV budget as ours.
     if cpu:
         warn_kv_env()
-    env = {k: os.environ.get(k, v) for k, v in cpu_env(args.num_threads).items()} if cpu else {}
+    env = {k: os.environ.get(k, v) for k, v in cpu_env(peer_threads(args)).items()} if cpu else {}
     flags = cli_flags(vllm_engine_kwargs(args, cpu)) + named + args.server_arg
     return vllm_server_cmd(args.model, flags, python=args.vllm_python), env
 

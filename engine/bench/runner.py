@@ -181,8 +181,11 @@ def run_offline(args, base_argv: list[str]) -> int:
 
     backends = args.backends
     requests = draw_offline_requests(args, load_tokenizer(args.tokenizer or args.model))
-    # Children always get the resolved model / dtype / threads, whatever the defaults were.
-    base_argv = base_argv + ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads)]
+    # Children always get the resolved model and dtype, and the threads when pinned (unpinned, the
+    # engine child follows the load and every peer child takes all cores).
+    base_argv = base_argv + ["--model", args.model, "--dtype", args.dtype]
+    if args.num_threads is not None:
+        base_argv += ["--num-threads", str(args.num_threads)]
     delegate = args.compare or (args.backend == "vllm" and args.vllm_python
                                 and os.path.realpath(args.vllm_python) != os.path.realpath(sys.executable))
     if delegate:
@@ -201,7 +204,7 @@ def run_offline(args, base_argv: list[str]) -> int:
         print("\n" + report.latency_table(results, args.percentiles))
         counted = (f"{num_requests} requests ({args.num_iters} measured batches of {args.batch_size}; "
                    f"{args.num_iters_warmup} warm-up iterations not counted)")
-    print(f"\nmodel {args.model}, dtype {args.dtype}, threads {args.num_threads}, {counted} "
+    print(f"\nmodel {args.model}, dtype {args.dtype}, threads {args.num_threads or 'default'}, {counted} "
           f"(first: {first.prompt_len} prompt + {first.output_len} output tokens), EOS ignored, greedy")
     out = {"mode": args.bench_mode, "settings": report_settings(args), "environment": report.environment(),
            "num_requests": num_requests, "results": results}

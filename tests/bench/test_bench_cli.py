@@ -58,7 +58,11 @@ def test_vllm_offline_names_and_engine_flags(bench):
     assert bench.parse_args(["throughput", "--hf-batch-size", "4"]).hf_batch_size == 4
     assert bench.parse_args(["latency", "--random-input-len", "5"]).input_len == 5
     default = bench.parse_args(["latency"])
-    assert default.kv_cache_memory is None and default.num_threads == len(os.sched_getaffinity(0))
+    # No --num-threads: the engine keeps its load-following default, every peer gets all cores.
+    from engine.bench.common import peer_threads
+
+    assert default.kv_cache_memory is None and default.num_threads is None
+    assert peer_threads(default) == len(os.sched_getaffinity(0))
     serve = bench.parse_args(["serve", "--save-result", "--result-dir", "out", "--max-model-len", "64"])
     assert (serve.save_result, serve.result_dir, serve.max_model_len) == (True, "out", 64)
     for gone in (["--kv-cache-gib", "2"], ["--engine-arg", "block_size=32"]):
@@ -271,6 +275,10 @@ def test_launch_commands_carry_the_engine_flags(bench, monkeypatch):
                  "--max-model-len 256", "--dtype float32", "--max-num-seqs 256"):
         assert part in flags, part
     assert "--num-threads" not in flags and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    args.num_threads = None  # the default: no pin for the engine server, all cores for a peer
+    assert "--num-threads" not in " ".join(launch_cmd(args, "engine")[0])
+    cores = len(os.sched_getaffinity(0))
+    assert launch_cmd(args, "vllm")[1]["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{cores - 1}"
 
 
 def test_save_result_file_name_is_vllms(bench):

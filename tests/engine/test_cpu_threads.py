@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.cpu_threads import cgroup_cpu_limit, usable_cpus
+from engine.cpu_threads import LoadFollower, cgroup_cpu_limit, runnable_elsewhere, usable_cpus
 
 
 def _spin_after(code: str, **env) -> str:
@@ -54,3 +54,103 @@ def test_thread_count_is_affinity_capped_by_quota(tmp_path):
     assert usable_cpus(str(tmp_path)) == 1
     (tmp_path / "cpu.max").write_text(f"{(affinity + 8) * 100000} 100000\n")  # a quota above the mask
     assert usable_cpus(str(tmp_path)) == affinity
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _run(follower, clock, steps: int, step_s, dt: float = 0.125) -> list[int]:
+    """`steps` steps of 10 tokens, dt apart; step_s(threads) is how long one takes with that many."""
+    used = []
+    for _ in range(steps):
+        threads = follower.before_step()
+        used.append(threads)
+        follower.after_step(10, step_s(threads))
+        clock.t += dt
+    return used
+
+
+def _follower(others, cpus=2, online=2, **kw):
+    clock, counts = _Clock(), []
+    follower = LoadFollower(cpus, online=online, sample=lambda: others[0], clock=clock, set_threads=counts.append,
+                            interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0, **kw)
+    return follower, clock, counts
+
+
+def test_a_quiet_machine_keeps_every_cpu_and_never_probes():
+    follower, clock, counts = _follower([0])
+    assert set(_run(follower, clock, 100, lambda t: 0.05)) == {2} and counts == [2]
+
+
+@pytest.mark.parametrize("faster, chosen", [(2, 2), (1, 1), (None, 2)])
+def test_contended_cpus_probe_both_counts_and_keep_the_faster(faster, chosen):
+    # Two busy processes on two CPUs: candidates are all the CPUs (2) and what the others leave (1).
+    # Steps alternate between them for the probe, then the faster stays until the next probe; one
+    # thread only when clearly faster (here 1.6x), so a tie keeps every CPU.
+    follower, clock, counts = _follower([2])
+    used = _run(follower, clock, 56, lambda t: 0.05 if t == faster else 0.08)  # a step every 1/8 s
+    assert used[:4] == [2] * 4  # the third sample (at 0.5 s) completes the window
+    assert used[4:12] == [2, 1] * 4  # alternating for 1 s
+    assert set(used[12:52]) == {chosen}  # held for 5 s
+    assert used[52:56] == [2, 1, 2, 1]  # then probed again
+
+
+def test_the_others_leaving_gives_every_cpu_back():
+    others = [2]
+    follower, clock, counts = _follower(others)
+    _run(follower, clock, 20, lambda t: 0.05 if t == 1 else 0.08)
+    assert follower.threads == 1
+    others[0] = 0
+    used = _run(follower, clock, 10, lambda t: 0.05)
+    assert used[-1] == 2 and counts[-1] == 2
+
+
+def test_more_cpus_than_the_process_may_use():
+    # 8 online CPUs, a quota of 2: the others must keep more than 6 busy before there is anything to probe.
+    follower, clock, _ = _follower([6], online=8)
+    assert set(_run(follower, clock, 30, lambda t: 0.05)) == {2}
+    follower, clock, _ = _follower([7], online=8)
+    assert 1 in _run(follower, clock, 30, lambda t: 0.05)
+
+
+def test_nothing_to_follow_keeps_every_cpu():
+    follower, clock, counts = _follower([None], cpus=3, online=3)
+    assert set(_run(follower, clock, 30, lambda t: 0.05)) == {3} and counts == [3]
+
+
+def test_busy_processes_are_counted_and_our_own_threads_are_not():
+    assert runnable_elsewhere("/nonexistent") is None
+    n = 2
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        import time
+
+        time.sleep(0.5)
+        samples = []
+        for _ in range(9):
+            samples.append(runnable_elsewhere())
+            time.sleep(0.02)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert sorted(samples)[4] >= n, samples  # always runnable: running, or queued for a CPU
+
+
+def test_the_follower_sets_torchs_thread_count():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1)
+        assert torch.get_num_threads() == 2
+        assert follower.before_step() == 2
+        follower.after_step(1, 0.01)
+        assert follower.before_step() == 1 and torch.get_num_threads() == 1  # the probe's second count
+    finally:
+        torch.set_num_threads(before)

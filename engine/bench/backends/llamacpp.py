@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from engine.bench.common import peer_threads
 from engine.bench.datasets import SampleRequest
 
 BUILD_SCRIPT = "benchmarks/llamacpp/build.sh"
@@ -142,8 +143,8 @@ class LlamaCppBackend:
         self.gguf = resolve_gguf(a)
         # flash_attn: llama.cpp's own default ("auto") turns it on for the CPU backend; the
         # binding's default is off, which would make this peer slower than llama.cpp itself.
-        self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=self.n_ctx(), n_threads=a.num_threads,
-                                   n_threads_batch=a.num_threads, seed=a.seed, flash_attn=True, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=self.gguf, n_ctx=self.n_ctx(), n_threads=peer_threads(a),
+                                   n_threads_batch=peer_threads(a), seed=a.seed, flash_attn=True, verbose=False)
 
     def generate(self, requests: list[SampleRequest], use_tqdm: bool = True) -> list[list[int]]:
         out = []
