@@ -61,6 +61,8 @@ class _Library:
         self.error: Exception | None = None
 
     def load(self):
+        if self.module is not None:  # every kernel call asks: no lock once built
+            return self.module
         with _lock:
             if self.module is not None:
                 return self.module

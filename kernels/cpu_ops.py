@@ -82,7 +82,8 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
         return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale, k_scale, v_scale)
-    out[rows:].zero_()
+    if rows < out.shape[0]:
+        out[rows:].zero_()
     return out
 
 
