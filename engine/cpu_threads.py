@@ -26,8 +26,9 @@ a test run beside a server):
   many threads of other processes are runnable (the kernel's count of running tasks less this
   process's own). While they leave CPUs idle it uses them all; while they keep some busy it
   measures, step by step, whether all the CPUs or only the ones they leave free process more tokens
-  per second, and keeps the better (neither wins everywhere: LoadFollower says when each did).
-  BENCHMARKS.md ("Threads that follow the load") has the numbers.
+  per second, and keeps the free ones only when clearly better (neither wins everywhere:
+  LoadFollower says when each did). BENCHMARKS.md (session 8, "Threads on shared CPUs") has the
+  numbers.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -140,11 +141,11 @@ class LoadFollower:
     seconds the steps alternate between the candidates (neighbouring steps are alike, so each sees
     the same mix of prefill and decode), then it keeps the smaller count only if it processed
     CLEARLY_FASTER times the tokens per second of step time, else every CPU, and probes again after
-    `hold_s` seconds or when the candidates change. Why "clearly": a probe reads the two counts as
-    even under busy loops (1 thread 76-97 tok/s, 2 threads 75-102) where the sustained run with one
-    thread kept 15% less, and 1.15-1.3x apart between two engines, where one thread each kept 22%
-    more. A sample costs ~0.2 ms (a /proc read per
-    thread of this process): at 5 a second, 0.1% of a CPU."""
+    `hold_s` seconds or when the candidates change. Why "clearly": under busy loops the probes read
+    the two counts as even, give or take 15% either way (1 thread 76-106 tok/s, 2 threads 75-130),
+    where a sustained run with one thread kept 15% less; between two engines they read one thread
+    1.15-1.3x faster, and one thread each kept 20-24% more. A sample costs ~0.2 ms (a /proc read
+    per thread of this process): at 5 a second, 0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
