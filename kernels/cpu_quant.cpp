@@ -331,19 +331,18 @@ inline void decode_q4_k(const uint8_t* b, Sink&& sink) {
   alignas(32) float scale[8], neg_min[8];
   _mm256_store_ps(scale, _mm256_mul_ps(half_bcast(b), sc));
   _mm256_store_ps(neg_min, _mm256_mul_ps(half_bcast(b + 2), _mm256_sub_ps(_mm256_setzero_ps(), mn)));
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
   for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
-    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 32 * c));
-    const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 32 * c));
-    for (int h = 0; h < 2; ++h) {
-      const int j = 2 * c + h;
-      const __m128i q0 = _mm_and_si128(h ? _mm_srli_epi16(v0, 4) : v0, mask);
-      const __m128i q1 = _mm_and_si128(h ? _mm_srli_epi16(v1, 4) : v1, mask);
-      const __m256 d = _mm256_set1_ps(scale[j]), m = _mm256_set1_ps(neg_min[j]);
-      const __m256 w[4] = {_mm256_fmadd_ps(u8_to_ps(q0), d, m), _mm256_fmadd_ps(u8_to_ps(high_half(q0)), d, m),
-                           _mm256_fmadd_ps(u8_to_ps(q1), d, m), _mm256_fmadd_ps(u8_to_ps(high_half(q1)), d, m)};
-      sink(32 * j, w);
+    const __m256 d0 = _mm256_set1_ps(scale[2 * c]), m0 = _mm256_set1_ps(neg_min[2 * c]);
+    const __m256 d1 = _mm256_set1_ps(scale[2 * c + 1]), m1 = _mm256_set1_ps(neg_min[2 * c + 1]);
+    __m256 lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) {  // 8 bytes at a time, widened straight from memory (as q4_run)
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 32 * c + 8 * k)));
+      lo[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), d0, m0);
+      hi[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d1, m1);
     }
+    sink(64 * c, lo);
+    sink(64 * c + 32, hi);
   }
 }
 
