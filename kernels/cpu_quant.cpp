@@ -135,6 +135,36 @@ inline void decode_scalar(const uint8_t* b, float* w) {
 // projection (192 rows), large enough to amortise the per-item overhead.
 constexpr int64_t kRowsPerTask = 16;
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+
+// A Q6_K super-block's 6-bit values q (0..63, before the -32) as 16 groups of 16 bytes, in order:
+// emit(g, q) with group g holding weights 16g..16g+15. Each half h of 128 weights reads 64 bytes
+// of ql and 32 of qh; its quarter t (two groups) takes the low (t < 2) or high nibbles of ql's
+// bytes 32(t % 2).. and bits 2t..2t+1 of qh as bits 4..5. The AVX-512 and AVX2 decoders widen
+// the groups to their vector width.
+template <typename Emit>
+inline void q6_k_values(const uint8_t* b, Emit&& emit) {
+  const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);
+  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    const __m128i l[4] = {load(ql), load(ql + 16), load(ql + 32), load(ql + 48)};
+    const __m128i hb[2] = {load(qh), load(qh + 16)};
+    for (int t = 0; t < 4; ++t) {
+      const __m128i shift = _mm_cvtsi32_si128(2 * t);
+      for (int i = 0; i < 2; ++i) {
+        const __m128i src = l[2 * (t % 2) + i];
+        const __m128i low = _mm_and_si128(t < 2 ? src : _mm_srli_epi16(src, 4), mask4);
+        const __m128i high = _mm_and_si128(_mm_srl_epi16(hb[i], shift), mask2);
+        emit(8 * h + 2 * t + i, _mm_or_si128(low, _mm_slli_epi16(high, 4)));
+      }
+    }
+  }
+}
+
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 
 // How far ahead of the block being multiplied its weight row is prefetched into L1 (measured on
@@ -205,27 +235,11 @@ inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
   _mm512_store_ps(scale, s);
   _mm512_store_ps(offset, _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)));
-  const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);
-  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
-  for (int h = 0; h < 2; ++h) {  // 128 weights from 64 bytes of ql and 32 of qh
-    const uint8_t* ql = b + 64 * h;
-    const uint8_t* qh = b + 128 + 32 * h;
-    const __m128i l0 = load(ql), l1 = load(ql + 16), l2 = load(ql + 32), l3 = load(ql + 48);
-    const __m128i h0 = load(qh), h1 = load(qh + 16);
-    // 16 weights from their low nibbles and their high 2 bits (bits `shift`.. of qh), group g.
-    const auto group = [&](__m128i low, __m128i hi, int shift, int g) {
-      const __m128i high = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(shift)), mask2);
-      const __m512 q = u8_to_ps(_mm_or_si128(low, _mm_slli_epi16(high, 4)));
-      return _mm512_fmadd_ps(q, _mm512_set1_ps(scale[g]), _mm512_set1_ps(offset[g]));
-    };
-    const auto quarter = [&](int t, __m128i low0, __m128i low1) {
-      sink(128 * h + 32 * t, group(low0, h0, 2 * t, 8 * h + 2 * t), group(low1, h1, 2 * t, 8 * h + 2 * t + 1));
-    };
-    quarter(0, _mm_and_si128(l0, mask4), _mm_and_si128(l1, mask4));
-    quarter(1, _mm_and_si128(l2, mask4), _mm_and_si128(l3, mask4));
-    quarter(2, _mm_and_si128(_mm_srli_epi16(l0, 4), mask4), _mm_and_si128(_mm_srli_epi16(l1, 4), mask4));
-    quarter(3, _mm_and_si128(_mm_srli_epi16(l2, 4), mask4), _mm_and_si128(_mm_srli_epi16(l3, 4), mask4));
-  }
+  __m512 w[2];  // a run of 32 weights: two groups
+  q6_k_values(b, [&](int g, __m128i q) {
+    w[g % 2] = _mm512_fmadd_ps(u8_to_ps(q), _mm512_set1_ps(scale[g]), _mm512_set1_ps(offset[g]));
+    if (g % 2) sink(16 * (g - 1), w[0], w[1]);
+  });
 }
 
 template <int64_t F, typename Sink>
@@ -357,32 +371,13 @@ inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
   _mm256_store_ps(scale + 8, s1);
   _mm256_store_ps(offset, _mm256_mul_ps(s0, _mm256_set1_ps(-32.0f)));
   _mm256_store_ps(offset + 8, _mm256_mul_ps(s1, _mm256_set1_ps(-32.0f)));
-  const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);
-  const auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* ql = b + 64 * h;
-    const uint8_t* qh = b + 128 + 32 * h;
-    const __m128i l0 = load(ql), l1 = load(ql + 16), l2 = load(ql + 32), l3 = load(ql + 48);
-    const __m128i h0 = load(qh), h1 = load(qh + 16);
-    // 16 weights of group g from their low nibbles and bits `shift`.. of qh, as two vectors.
-    const auto group = [&](__m128i low, __m128i hi, int shift, int g, __m256* w) {
-      const __m128i high = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(shift)), mask2);
-      const __m128i q = _mm_or_si128(low, _mm_slli_epi16(high, 4));
-      const __m256 s = _mm256_set1_ps(scale[g]), o = _mm256_set1_ps(offset[g]);
-      w[0] = _mm256_fmadd_ps(u8_to_ps(q), s, o);
-      w[1] = _mm256_fmadd_ps(u8_to_ps(high_half(q)), s, o);
-    };
-    const auto quarter = [&](int t, __m128i low0, __m128i low1) {
-      __m256 w[4];
-      group(low0, h0, 2 * t, 8 * h + 2 * t, w);
-      group(low1, h1, 2 * t, 8 * h + 2 * t + 1, w + 2);
-      sink(128 * h + 32 * t, w);
-    };
-    quarter(0, _mm_and_si128(l0, mask4), _mm_and_si128(l1, mask4));
-    quarter(1, _mm_and_si128(l2, mask4), _mm_and_si128(l3, mask4));
-    quarter(2, _mm_and_si128(_mm_srli_epi16(l0, 4), mask4), _mm_and_si128(_mm_srli_epi16(l1, 4), mask4));
-    quarter(3, _mm_and_si128(_mm_srli_epi16(l2, 4), mask4), _mm_and_si128(_mm_srli_epi16(l3, 4), mask4));
-  }
+  __m256 w[4];  // a run of 32 weights: two groups of two vectors
+  q6_k_values(b, [&](int g, __m128i q) {
+    const __m256 scale_g = _mm256_set1_ps(scale[g]), offset_g = _mm256_set1_ps(offset[g]);
+    w[2 * (g % 2)] = _mm256_fmadd_ps(u8_to_ps(q), scale_g, offset_g);
+    w[2 * (g % 2) + 1] = _mm256_fmadd_ps(u8_to_ps(high_half(q)), scale_g, offset_g);
+    if (g % 2) sink(16 * (g - 1), w);
+  });
 }
 
 template <int64_t F, typename Sink>
