@@ -116,7 +116,8 @@ def runnable_elsewhere(proc: str = "/proc") -> int | None:
                     stat = f.read()
             except OSError:  # the thread ended between the listing and the read
                 continue
-            ours += stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"R"
+            state_at = stat.rindex(b")") + 2  # after "pid (comm) ", whatever the thread's name holds
+            ours += stat[state_at:state_at + 1] == b"R"
     except (OSError, ValueError, IndexError):
         return None
     return max(0, running - ours)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from engine.bench.common import peer_threads
 from engine.bench.datasets import SampleRequest
 from engine.config import CPU_KV_CACHE_MEMORY
 
@@ -28,9 +29,8 @@ class VLLMUnavailable(RuntimeError):
     pass
 
 
-def cpu_env(num_threads: int | None) -> dict[str, str]:
-    """Environment that gives vLLM-CPU all `num_threads` cores (set before vllm is imported)."""
-    n = num_threads or len(os.sched_getaffinity(0))
+def cpu_env(n: int) -> dict[str, str]:
+    """Environment that gives vLLM-CPU `n` cores, peer_threads(args) (set before vllm is imported)."""
     return {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -96,7 +96,7 @@ class VLLMBackend:
         cpu = not torch.cuda.is_available()
         if cpu:
             warn_kv_env()
-            for k, v in cpu_env(a.num_threads).items():
+            for k, v in cpu_env(peer_threads(a)).items():
                 os.environ.setdefault(k, v)
                 self.env[k] = os.environ[k]
         vllm = import_vllm()
