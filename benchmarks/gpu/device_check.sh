@@ -23,7 +23,7 @@ if [ "$what" = throughput ] || [ "$what" = all ]; then
     model=/tmp/random-smollm2-135m
     python3 -m engine.bench.random_model "$model" --preset smollm2-135m \
         --tokenizer engine/bench/assets/smollm2-tokenizer --dtype bfloat16
-    python3 -m engine.bench.cli throughput --model "$model" --dtype bfloat16 \
+    timeout "${THROUGHPUT_S:-600}" python3 -m engine.bench.cli throughput --model "$model" --dtype bfloat16 \
         --num-prompts "${NUM_PROMPTS:-256}" --input-len 562 --output-len 562 --random-range-ratio 0.82 \
         --hf-max-batch-size "${HF_BATCH:-128}" --compare engine,hf --disable-tqdm \
         --output-json "$OUT/throughput.json" --plot "$OUT/throughput.png"

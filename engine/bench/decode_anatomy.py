@@ -131,6 +131,11 @@ def weight_bytes(runner, batch: int) -> int:
     return total
 
 
+def prefill_steps(config, batch: int, context: int) -> int:
+    """Engine steps the batch's prompts take to prefill, a step's token budget at a time."""
+    return -(-batch * context // config.max_num_batched_tokens)
+
+
 def _decode_steps_until_all_decoding(core, batch: int) -> None:
     """Step through the prefills until each of the batch's requests has its first token."""
     started: set[str] = set()
@@ -152,7 +157,9 @@ def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: in
     on_cuda = runner.device.type == "cuda"
     rng = random.Random(seed)
     vocab = core.vocab_size
-    total = warmup + steps + profile_steps_n + 2
+    # The first prompts decode while later ones are still prefilling (max_num_batched_tokens a
+    # step): their token budget covers those steps too, or they finish inside the timed window.
+    total = warmup + steps + profile_steps_n + 2 + prefill_steps(core.config, batch, context)
     params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
     ids = [f"anatomy-{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -182,14 +189,17 @@ def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: in
                 gb_per_s=(w + kv) / step_s / 1e9, num_layers=len(runner.model.layers()), **activity)
 
 
-def build_engine(model: str, max_batch: int, context: int, steps: int, dtype: str, enforce_eager: bool | None,
+STEP_TOKENS = 2048  # max_num_batched_tokens of the engines built here (the engine's default)
+
+
+def build_engine(model: str, max_batch: int, context: int, new_tokens: int, dtype: str, enforce_eager: bool | None,
                  attention_backend: str = "auto", block_size: int = 16):
     """An engine sized for the run alone: a fixed number of KV blocks, so two can share a GPU."""
     from engine.frontend.llm import LLM
 
-    max_len = context + steps + 64
+    max_len = context + new_tokens + 64
     extra = {} if enforce_eager is None else {"enforce_eager": enforce_eager}
-    return LLM(model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len,
+    return LLM(model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len, max_num_batched_tokens=STEP_TOKENS,
                num_kv_blocks=max_batch * -(-max_len // block_size) + 4, block_size=block_size,
                enable_prefix_caching=False, attention_backend=attention_backend, seed=0, **extra)
 
@@ -212,8 +222,8 @@ def run(model: str, batch_sizes: list[int], context: int, steps: int, profile_st
 
     rows = []
     for m, (mode, eager) in enumerate(graph_modes(graphs)):
-        total_steps = 3 + steps + profile_steps_n + 2
-        llm = build_engine(model, max(batch_sizes), context, total_steps, dtype, eager, attention_backend)
+        new_tokens = 3 + steps + profile_steps_n + 2 + -(-max(batch_sizes) * context // STEP_TOKENS)
+        llm = build_engine(model, max(batch_sizes), context, new_tokens, dtype, eager, attention_backend)
         try:
             for i, batch in enumerate(batch_sizes):
                 trace = trace_path if m == 0 and i == 0 else None  # one trace: the first batch

@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tests" in args.stages:
             xml = os.path.join(work, "pytest.xml")
             workers = [] if args.dry_run or importlib.util.find_spec("xdist") is None else ["-n", "8"]
-            st = run_stage(log, "tests", [sys.executable, "-m", "pytest", *mode["test_args"], *workers, "-q",
-                                          "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}"], mode["tests_timeout"])
+            st = run_stage(log, "tests", [sys.executable, "-m", "pytest", *mode["test_args"], *workers, "-v",
+                                          "-rfEs", "-p", "no:cacheprovider", f"--junitxml={xml}"],
+                           mode["tests_timeout"])
             report["tests"] = junit_counts(xml)
             st["ok"] = st["rc"] == 0 and not (report["tests"] or {}).get("failures")
             report["stages"]["tests"] = st
