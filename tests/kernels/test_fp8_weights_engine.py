@@ -1,5 +1,5 @@
-"""`--quantization fp8` end to end: the triton backend (interpreted) equals the torch reference's
-greedy tokens; the cpu backend refuses it naming the flag."""
+"""`--quantization fp8` end to end: the triton backend (compiled on a GPU, else interpreted) equals
+the torch reference's greedy tokens; the cpu backend refuses it naming the flag."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM
 from tests.engine.engine_runs import engine_greedy
+from tests.kernels.kernel_cases import DEVICE
 from tests.tiny_model import build_tiny_model
 
 
@@ -22,7 +23,8 @@ def test_fp8_triton_equals_torch(triton_ops, tmp_path, monkeypatch):
     monkeypatch.setattr(triton_quant, "quant_linear", lambda *a, **kw: formats.append(a[2]) or kernel(*a, **kw))
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 21)]
-    config = dict(quantization="fp8", dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128,
+    # DEVICE: the Triton kernels are compiled for CUDA where there is a GPU and take no CPU tensors.
+    config = dict(quantization="fp8", dtype="float32", device=DEVICE, num_kv_blocks=32, max_model_len=128,
                   max_num_batched_tokens=24)
     got = engine_greedy(path, prompts, 6, attention_backend="triton", **config)
     assert set(formats) == {"F8_E4M3"}

@@ -179,7 +179,11 @@ def test_split_heuristic(triton_quant):
 
 def test_warmup_launches_each_plan_once_per_layer_shape(triton_quant, monkeypatch):
     """Distinct (format, shape, bias) layers only; per layer, the first row count of each launch plan:
-    on the interpreter's one "SM" nothing splits, so one per tile size (1, 17 and 65 rows)."""
+    on one SM (the interpreter's count, set here on a GPU too) nothing splits, so one per tile size
+    (1, 17 and 65 rows)."""
+    from kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 1)
     rows = []
     kernel = triton_quant.quant_linear
 
@@ -208,7 +212,8 @@ def test_engine_greedy_triton_equals_torch(triton_quant, tmp_path, monkeypatch, 
     monkeypatch.setattr(triton_quant, "quant_linear", lambda *a, **kw: formats.append(a[2]) or kernel(*a, **kw))
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 21)]
-    config = dict(quantization=method, quantization_group_size=group_size, dtype="float32", device="cpu",
+    # DEVICE: the Triton kernels are compiled for CUDA where there is a GPU and take no CPU tensors.
+    config = dict(quantization=method, quantization_group_size=group_size, dtype="float32", device=DEVICE,
                   num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=24)
     got = engine_greedy(path, prompts, 6, attention_backend="triton", **config)
     assert set(formats) == {"Q8_0" if method == "int8" else "Q4_1"}
