@@ -48,7 +48,8 @@ PACKAGES = ("torch", "triton", "transformers", "safetensors", "numpy", "tokenize
 MODELS = ("smollm2-135m", "llama-3.2-1b")  # engine.bench.random_model presets
 
 # What each mode runs. The GPU limits add up to 9 minutes and a half with the model builds (about
-# 40 s); the dry run exercises the same code on shapes that take seconds.
+# 70 s on an H200 machine); the first runs there took 190+ s of tests on 8 workers, 15-18 s of
+# kernel bench and 18-24 s per anatomy model. The dry run exercises the same code on shapes that take seconds.
 # On the GPU the CPU backend's cases are left out (they would build the C++ kernels on the device's
 # clock and measure nothing about it), and the tests spread over pytest-xdist workers where it is
 # installed: most of their time is Triton compiling kernels, one CPU core each.
@@ -56,9 +57,9 @@ GPU_SKIPS_CPU_CASES = ["-k", "not cpu", "--ignore=tests/kernels/test_cpu_kernels
                        "--ignore=tests/kernels/test_quant_kernels.py",
                        "--ignore=tests/kernels/test_cpu_bench_smoke.py",
                        "--ignore=tests/kernels/test_kernels_compile_for_gpu.py"]
-GPU = dict(test_args=["tests/kernels", "tests/gpu", *GPU_SKIPS_CPU_CASES], tests_timeout=210, bench_args=[],
+GPU = dict(test_args=["tests/kernels", "tests/gpu", *GPU_SKIPS_CPU_CASES], tests_timeout=240, bench_args=[],
            bench_timeout=90, dtype="bfloat16", batch_sizes="1,64", context=1024, steps=32, profile_steps=3,
-           anatomy_timeout=120, backend="auto", shape={})
+           anatomy_timeout=90, backend="auto", shape={})
 DRY_RUN = dict(test_args=["tests/gpu"], tests_timeout=120, bench_args=["--smoke"], bench_timeout=120,
                dtype="float32", batch_sizes="1,4", context=40, steps=4, profile_steps=2, anatomy_timeout=120,
                backend="torch", shape=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -157,13 +158,13 @@ class Log:
             f.write(f"\n===== {title} =====\n{text}\n")
 
 
-def run_stage(log: Log, name: str, cmd: list[str], timeout: float) -> dict:
+def run_stage(log: Log, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     """cmd in a subprocess from the repository root; its output goes to the log, its end to stdout.
     Past `timeout` its whole process group is killed (pytest's own subprocesses included)."""
     print(f"[gpu_check] {name}: {' '.join(cmd)} (limit {timeout:.0f} s)", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -401,10 +402,16 @@ def main(argv: list[str] | None = None) -> int:
                                            note="" if report["env"]["toolchain"]["ok"] else "no C toolchain")
         if "tests" in args.stages:
             xml = os.path.join(work, "pytest.xml")
-            workers = [] if args.dry_run or importlib.util.find_spec("xdist") is None else ["-n", "8"]
+            failures = os.path.join(work, "failures.txt")
+            workers = ([] if args.dry_run or importlib.util.find_spec("xdist") is None
+                       else ["-n", str(min(16, os.cpu_count() or 1))])
             st = run_stage(log, "tests", [sys.executable, "-m", "pytest", *mode["test_args"], *workers, "-v",
-                                          "-rfEs", "-p", "no:cacheprovider", f"--junitxml={xml}"],
-                           mode["tests_timeout"])
+                                          "-rfEs", "-p", "no:cacheprovider", "-p", "tests.failure_log",
+                                          f"--junitxml={xml}"], mode["tests_timeout"],
+                           env={"PAGEWISE_FAILURE_LOG": failures})
+            if os.path.exists(failures):  # written as each test failed: there even when the stage was killed
+                with open(failures) as f:
+                    log.section("tests: failure reports", f.read())
             report["tests"] = junit_counts(xml)
             st["ok"] = st["rc"] == 0 and not (report["tests"] or {}).get("failures")
             report["stages"]["tests"] = st

@@ -123,3 +123,38 @@ def test_dry_run_pipeline_without_server_packages(tmp_path):
     assert "DRY RUN" in (out / "gpu_check.md").read_text()
     assert report["targets"] and all(t["met"] is None for t in report["targets"])  # nothing met or missed on CPU
     json.loads((out / "trace.json").read_text())  # a Chrome trace is JSON
+
+
+@pytest.mark.device_auto  # decode_anatomy's engines run where gpu_check runs them
+def test_anatomy_counts_every_timed_token_when_prefill_spans_steps(tmp_path):
+    """8 prompts of 1,000 tokens take 4 steps to prefill at 2,048 tokens a step, the first two
+    decoding all the while: their token budget must outlast the timed steps (on the H200 run it did
+    not, and batch 64 x 1,024 stopped at 'not all decoding')."""
+    from tests.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", max_position_embeddings=2048)
+    rows = decode_anatomy.run(str(path), [8], context=1000, steps=4, profile_steps_n=1, dtype="float32",
+                              graphs="off", attention_backend="torch")
+    assert [(r["batch"], r["steps"]) for r in rows] == [(8, 4)]
+
+
+def test_failure_log_records_why_as_each_test_fails(tmp_path):
+    """tests.failure_log, which gpu_check's test stage loads: a failing test's traceback is in the
+    file when the test ends, not only in pytest's final summary (lost when a stage is killed)."""
+    (tmp_path / "test_planted.py").write_text("def test_ok():\n    pass\n\n\n"
+                                             "def test_bad():\n    assert 1 == 2, 'planted failure'\n")
+    log = tmp_path / "failures.txt"
+    env = {**os.environ, "PAGEWISE_FAILURE_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.failure_log",
+                           "--rootdir", str(tmp_path), str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    text = log.read_text()
+    assert "test_planted.py::test_bad (call)" in text and "planted failure" in text
+    assert "test_ok" not in text
+
+
+def test_time_scale_must_be_positive(tmp_path, capsys):
+    assert gpu_check.main(["--output-dir", str(tmp_path), "--dry-run", "--time-scale", "0"]) == 2
+    assert "--time-scale must be > 0" in capsys.readouterr().err
