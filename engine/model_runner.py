@@ -21,6 +21,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
+from engine.models import cpu_fused_layers
 from engine.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
 from engine.loader import ModelSource
@@ -163,6 +164,7 @@ class ModelRunner:
         load_weights(self.model, checkpoint_tensors(source))
         pack_weights(self.model, self.backend.pack_linear_weight)
         pack_experts(self.model, self.backend.pack_moe_weights)
+        self._fuse_cpu_layers()
         self.model.eval()
         # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
         self.last_stage = pp_state().rank == pp_state().size - 1
@@ -184,6 +186,18 @@ class ModelRunner:
         self._allocate_kv_cache()
         if not self._graphs_off():
             self._capture_graphs()
+
+    def _fuse_cpu_layers(self) -> None:
+        """cpu backend: small steps through every decoder layer in one C++ call where that is the
+        modules' computation (engine/models/cpu_fused_layers.py says when)."""
+        inner = getattr(self.model, "model", None)
+        if not (self.config.cpu_fused_layers and self.backend.name == "cpu" and hasattr(inner, "fused_layers")):
+            return
+        why = cpu_fused_layers.unsupported(inner)
+        if why is None:
+            inner.fused_layers = cpu_fused_layers.CpuFusedLayers(inner)
+        logger.info("decoder layers: %s", "one C++ call for small steps" if why is None
+                    else f"modules op by op ({why})")
 
     def _compile_triton_kernels(self) -> None:
         """On CUDA, Triton compiles a kernel variant on its first launch (about a second each):

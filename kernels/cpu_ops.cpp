@@ -1047,7 +1047,66 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   return out;
 }
 
+// ---- a decode step's decoder layers in one call ------------------------------------------------
+
+// What the Llama-family modules (engine/models/llama.py) run per layer on the cpu backend, op for
+// op and in their order, without the ~250 us of Python and dispatch those modules cost per layer
+// on a slow core (a third of a single-sequence decode step there). The quantized matmul is
+// kernels/cpu_quant.cpp's linear_f32, reached through the address that module hands out (both
+// are built against the same libtorch). Per layer: weights [input norm, qkv, o, post-attention
+// norm, gate_up, down], formats [qkv, o, gate_up, down], caches [key, value] (the physical
+// tensors), kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this
+// path is the modules' path (dense MLP, no biases or q/k norms, one rank, the register kernel's
+// rows) and checks it against them.
+using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
+
+std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                          std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
+                                          std::vector<torch::Tensor> caches, std::vector<double> kv_scales,
+                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens,
+                                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                                          int64_t linear_address) {
+  const size_t layers = weights.size() / 6;
+  TORCH_CHECK(weights.size() == 6 * layers && formats.size() == 4 * layers && caches.size() == 2 * layers &&
+              kv_scales.size() == 2 * layers, "decoder_layers: 6 weights, 4 formats, 2 caches, 2 scales a layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layers: hidden must be contiguous [tokens, hidden]");
+  auto linear = reinterpret_cast<LinearFn>(linear_address);
+  const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
+  torch::Tensor x, res = residual.has_value() ? *residual : torch::Tensor();
+  for (size_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = &weights[6 * l];
+    const int64_t* f = &formats[4 * l];
+    const double k_scale = kv_scales[2 * l], v_scale = kv_scales[2 * l + 1];
+    if (!res.defined()) {  // the first layer of a stage that starts the residual stream
+      res = hidden;
+      x = rms_norm(hidden, c10::nullopt, w[0], eps)[0];
+    } else {
+      auto outs = rms_norm(hidden, res, w[0], eps);
+      x = outs[0];
+      res = outs[1];
+    }
+    auto qkv = linear(x, w[1], f[0]);
+    const int64_t head_dim = qkv.size(1) / (heads + num_kv_heads);
+    auto qk = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
+    auto v = qkv.narrow(1, heads * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
+    rotary_(qk, cos, sin);
+    write_kv(qk.narrow(1, num_heads, num_kv_heads), v, caches[2 * l], caches[2 * l + 1], slot_mapping, k_scale,
+             v_scale);
+    auto q = qk.narrow(1, 0, num_heads);
+    auto o = torch::empty(q.sizes(), q.options());
+    paged_attention(o, q, caches[2 * l], caches[2 * l + 1], block_tables, row_seq, lens, scale, k_scale, v_scale);
+    if (rows < tokens) o.narrow(0, rows, tokens - rows).zero_();
+    auto attn = linear(o.view({tokens, num_heads * head_dim}), w[2], f[1]);
+    auto outs = rms_norm(attn, res, w[3], eps);
+    res = outs[1];
+    hidden = linear(silu_and_mul(linear(outs[0], w[4], f[2])), w[5], f[3]);
+  }
+  return {hidden, res};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decoder_layers", &decoder_layers, "a decode step's Llama decoder layers, the modules' ops in their order");
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

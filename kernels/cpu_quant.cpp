@@ -898,6 +898,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ dequant(w)^T, blocks dequantized to float in registers");
+  // For kernels/cpu_ops.cpp's decoder_layers, which calls linear_f32 without a trip through Python.
+  m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },
+        "the address of linear_f32 (the same process and libtorch)");
   m.def("linear_q8", &linear_q8, "x @ dequant(w)^T with x quantized to int8 per 32-block (integer dots)");
   m.def("linear_bf16_tiled", &linear_bf16_tiled, "bf16 x @ dequant(w)^T: bf16 weight tiles in L2, brgemm");
   m.def("has_brgemm_bf16", &has_brgemm_bf16, "whether linear_bf16_tiled can run here");

@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     """x [..., K] @ dequantize(blocks)^T (+ bias) -> [..., N] in x.dtype."""
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
-    if not _register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
+    if not register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
         if x.dtype == torch.bfloat16 and _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1]):
             y = load_quant().linear_bf16_tiled(rows.contiguous(), blocks, kernel_id)
             if bias is not None:
@@ -94,7 +94,7 @@ def _tiled(rows: int, weights: int) -> bool:
     return (rows <= TILED_GEMM_ROWS or weights >= TILED_GEMM_WEIGHTS) and has_brgemm_bf16()
 
 
-def _register_rows(rows: int, weights: int, bf16: bool) -> bool:
+def register_rows(rows: int, weights: int, bf16: bool) -> bool:
     """Whether the register kernel takes `rows`: up to DEQUANT_GEMM_ROWS, but for bf16 rows against a
     weight too big for cache (an LM head) only up to LARGE_REGISTER_ROWS, past which the tiled
     kernel's one dequantization beats the register kernel's pass per 4 rows (measured, cold cache:

@@ -114,6 +114,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         theta, scaling = rope_settings(cfg)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_positions, theta, scaling)
+        # The runner may set a callable running every layer at once where that is the same
+        # computation (engine/models/cpu_fused_layers.py); it returns None where it is not.
+        self.fused_layers = None
 
     def forward(self, input_ids, positions):
         if self.embed_tokens is not None:
@@ -121,8 +124,12 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
         rope = self.rotary(positions, self.dtype)  # not norm.weight's: only the last stage has the norm
-        for layer in self.layers.values():
-            hidden, residual = layer(rope, hidden, residual)
+        fused = self.fused_layers(rope, hidden, residual) if self.fused_layers is not None else None
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            for layer in self.layers.values():
+                hidden, residual = layer(rope, hidden, residual)
         if self.norm is None:
             send_activations(hidden, residual)
         return hidden, residual

@@ -1,0 +1,138 @@
+"""The cpu backend's decoder layers for a small step in one C++ call (kernels/cpu_ops.cpp
+decoder_layers): the kernels the modules call, in their order, without the modules' Python.
+
+On a slow core the Llama modules cost about 250 us of Python and dispatch per layer around ten
+kernel calls: at batch 1 on the default model that was 8.7 of a 21.5 ms decode step (measured,
+BENCHMARKS.md "Session 9"). The C++ loop calls the same kernels on the same tensors, so its
+hidden states are the modules' bit for bit (tests/engine/test_cpu_fused_layers.py). It is taken
+only where that holds, else the modules run:
+- statically: every layer the dense Llama layer (engine/models/llama.py) with GGUF-block weights
+  the C++ kernels read (a .gguf file's own blocks, or --quantization int8/int4), no biases, no
+  q/k norms, one tensor-parallel rank, a single pipeline stage;
+- per step: the cpu backend, at most DEQUANT_GEMM_ROWS tokens (where cpu_quant.linear takes its
+  register kernel for every layer weight), activations in float32 or bfloat16 and a KV cache of
+  the same dtype or fp8, and the step's attention plan.
+EngineConfig.cpu_fused_layers turns it off (for measurement: the same tokens, slower).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.distributed.state import pp_state, tp_state
+from engine.layers.context import get_forward_context
+from engine.models.llama import MLP, DecoderLayer
+from kernels.reference import is_fp8
+
+
+def unsupported(model) -> str | None:
+    """Why `model` (a LlamaModel) cannot take the fused path, or None when it can."""
+    from kernels import cpu_quant
+
+    if tp_state().size != 1 or pp_state().size != 1:
+        return "tensor or pipeline parallel"
+    layers = list(model.layers.values())
+    if not layers:
+        return "no layers"
+    first = layers[0].self_attn
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
+            return f"layer type {type(layer).__name__} with {type(layer.mlp).__name__}"
+        if attn.qk_norm:
+            return "q/k norms"
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(m.bias is not None for m in linears):
+            return "linear biases"
+        if any(m.quant_format is None or m.quant_format.name not in cpu_quant.FORMATS for m in linears):
+            return "float weights (the fused path reads GGUF blocks)"
+        if (attn.num_heads, attn.num_kv_heads, attn.attn.scale) != (first.num_heads, first.num_kv_heads,
+                                                                     first.attn.scale):
+            return "layers of different attention shapes"
+        if layer.input_layernorm.eps != layers[0].input_layernorm.eps or \
+                layer.post_attention_layernorm.eps != layers[0].input_layernorm.eps:
+            return "norms of different eps"
+    return None
+
+
+class CpuFusedLayers:
+    """model.layers as one kernels/cpu_ops.cpp decoder_layers call, where it runs what they run."""
+
+    def __init__(self, model):
+        self.layers = list(model.layers.values())
+        attn = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.attn.scale
+        self.eps = self.layers[0].input_layernorm.eps
+        self._weights: list[torch.Tensor] = []
+        self._formats: list[int] = []
+        self._caches: list[torch.Tensor] = []
+        self._scales: list[float] = []
+        self._bound_to = None  # the first layer's key cache the lists were built against
+        self._rows_ok: dict[tuple[int, torch.dtype], bool] = {}
+        self.steps = 0  # forwards that took the fused path (tests and logs read it)
+
+    def _bind(self) -> None:
+        """The per-layer argument lists, again whenever the runner allocates new caches."""
+        from kernels import cpu_ops, cpu_quant
+
+        self._weights, self._formats, self._caches, self._scales = [], [], [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self._weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                              layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            self._formats += [cpu_quant.FORMATS[m.quant_format.name].id for m in linears]
+            self._caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
+            self._scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
+        self._bound_to = self.layers[0].self_attn.attn.k_cache
+
+    def _takes(self, hidden: torch.Tensor, meta) -> bool:
+        from kernels import cpu_quant
+
+        attn = self.layers[0].self_attn.attn
+        if attn.k_cache is None or meta.plan is None:
+            return False
+        if attn.k_cache.dtype != hidden.dtype and not is_fp8(attn.k_cache.dtype):
+            return False  # the modules convert 16-bit caches under float32 models through the reference
+        key = (hidden.shape[0], hidden.dtype)
+        if key not in self._rows_ok:
+            ok = hidden.dtype in (torch.float32, torch.bfloat16) and \
+                self.layers[0].input_layernorm.weight.dtype == hidden.dtype
+            for layer in self.layers if ok else ():
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj):
+                    weights = m.weight.shape[0] * m.quant_format.in_features(m.weight.shape[1])
+                    ok = ok and cpu_quant.register_rows(hidden.shape[0], weights, hidden.dtype == torch.bfloat16)
+            self._rows_ok[key] = ok
+        return self._rows_ok[key]
+
+    def __call__(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(hidden, residual) after every layer, or None where the modules must run instead."""
+        context = get_forward_context()
+        meta = context.attn
+        if context.backend.name != "cpu" or not self._takes(hidden, meta):
+            return None
+        if self._bound_to is not self.layers[0].self_attn.attn.k_cache:
+            self._bind()
+        from kernels import cpu_build
+
+        tokens = hidden.shape[0]
+        cos, sin = (t.reshape(tokens, -1).contiguous() for t in rope)
+        plan = meta.plan
+        out = cpu_build.load().decoder_layers(
+            hidden.contiguous(), None if residual is None else residual.contiguous(), self._weights, self._formats,
+            self._caches, self._scales, cos, sin, meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens,
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, _linear_address())
+        self.steps += 1
+        return out[0], out[1]
+
+
+_address: list[int] = []
+
+
+def _linear_address() -> int:
+    if not _address:
+        from kernels import cpu_build
+
+        _address.append(cpu_build.load_quant().linear_f32_address())
+    return _address[0]
