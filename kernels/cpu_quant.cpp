@@ -860,6 +860,59 @@ at::Tensor linear_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t f
   return y;
 }
 
+// x [M, K] float32 contiguous -> y [M, N] float32: float activations past the register kernel's rows
+// where there is no bf16 brgemm (an AVX2 CPU; float32 models anywhere). Each task dequantizes 64
+// weight rows into a float tile that stays in L2 (64 x K x 4 bytes: 384 KiB at K = 1536) and
+// multiplies it with one single-threaded sgemm (inside the parallel region BLAS runs on the
+// calling thread), so the weight is decoded once per step and never written out whole: the old
+// path dequantized every matrix to a full float copy each step, then ran the GEMM.
+constexpr int64_t kFloatTileRows = 64;
+
+// The BLAS torch links (MKL in the x86 wheels) exports Fortran sgemm_ but not ATen's cpublas::gemm
+// for float; weak, so a torch without it still loads this module and takes at::mm instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+// y[:, :rows] (row stride ldy) = x [M, K] @ tile[rows, K]^T.
+void tile_gemm(const float* tile, int64_t rows, const float* x, int64_t M, int64_t K, float* y, int64_t ldy) {
+  if (sgemm_ != nullptr) {  // column-major: y^T (rows x M) = tile^T' (rows x K) . x^T (K x M)
+    const int m = static_cast<int>(rows), n = static_cast<int>(M), k = static_cast<int>(K), ldc = static_cast<int>(ldy);
+    const float one = 1.0f, zero = 0.0f;
+    sgemm_("T", "N", &m, &n, &k, &one, tile, &k, x, &k, &zero, y, &ldc);
+    return;
+  }
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto out = at::mm(at::from_blob(const_cast<float*>(x), {M, K}, opts),
+                    at::from_blob(const_cast<float*>(tile), {rows, K}, opts).t());
+  for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ldy, out.data_ptr<float>() + m * rows, rows * sizeof(float));
+}
+
+at::Tensor linear_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, fmt, K);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t bw = kBlockWeights[fmt], bb = kBlockBytes[fmt], nb = K / bw, row_bytes = nb * bb;
+  const int64_t tiles = (N + kFloatTileRows - 1) / kFloatTileRows;
+  by_format(fmt, [&](auto F) {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> tile(kFloatTileRows * K);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kFloatTileRows, rows = std::min(kFloatTileRows, N - n0);
+        for (int64_t n = 0; n < rows; ++n)
+          for (int64_t b = 0; b < nb; ++b)
+            decode_floats<decltype(F)::value>(wp + (n0 + n) * row_bytes + b * bb, tile.data() + n * K + b * bw);
+        tile_gemm(tile.data(), rows, xp, M, K, yp + n0, N);
+      }
+    });
+  });
+  return y;
+}
+
 // w [N, row bytes] -> [N, K] float32, or bfloat16 (each weight rounded once) when bf16.
 at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   check_weight(w, fmt, K);
@@ -902,6 +955,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },
         "the address of linear_f32 (the same process and libtorch)");
   m.def("linear_q8", &linear_q8, "x @ dequant(w)^T with x quantized to int8 per 32-block (integer dots)");
+  m.def("linear_f32_tiled", &linear_f32_tiled, "float32 x @ dequant(w)^T: float weight tiles in L2, sgemm");
   m.def("linear_bf16_tiled", &linear_bf16_tiled, "bf16 x @ dequant(w)^T: bf16 weight tiles in L2, brgemm");
   m.def("has_brgemm_bf16", &has_brgemm_bf16, "whether linear_bf16_tiled can run here");
   m.def("dequantize", &dequantize, "block-quantized rows -> float32 / bfloat16 [N, K]");

@@ -11,10 +11,14 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            dequantize-then-matmul reference to summation order.
   M >  DEQUANT_GEMM_ROWS   bf16 activations: linear_bf16_tiled, 64 weight rows at a time
                            dequantized to bf16 into a tile that stays in L2 and multiplied by
-                           oneDNN's brgemm (AMX here), up to TILED_GEMM_ROWS rows, or at any M for a
-                           weight too big to reuse from cache (an LM head); otherwise the whole
-                           weight dequantized to the activations' dtype, then F.linear (oneDNN/MKL
-                           GEMM): the dequantization is paid once for M rows.
+                           oneDNN's brgemm (AMX here); float32 activations: linear_f32_tiled, the
+                           same with float tiles and one sgemm each (any CPU: on the AVX2 machine
+                           2-5x dequantize-then-GEMM for the default model's layers at 17-64 rows,
+                           3-9x for its LM head, even at 128 rows). Up to TILED_GEMM_ROWS rows, or
+                           at any M for a weight too big to reuse from cache (an LM head); otherwise
+                           (and for bf16 without brgemm) the whole weight dequantized to the
+                           activations' dtype, then F.linear (oneDNN/MKL GEMM): the dequantization
+                           is paid once for M rows.
 linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI, as
 llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
 benchmarks/quant/README.md.
@@ -73,8 +77,9 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
     if not register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
-        if x.dtype == torch.bfloat16 and _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1]):
-            y = load_quant().linear_bf16_tiled(rows.contiguous(), blocks, kernel_id)
+        if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
+            tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled
+            y = tiled(rows.contiguous(), blocks, kernel_id)
             if bias is not None:
                 y += bias
             return y.reshape(*x.shape[:-1], blocks.shape[0])
@@ -90,8 +95,10 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
 
 
-def _tiled(rows: int, weights: int) -> bool:
-    return (rows <= TILED_GEMM_ROWS or weights >= TILED_GEMM_WEIGHTS) and has_brgemm_bf16()
+def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:
+    if rows > TILED_GEMM_ROWS and weights < TILED_GEMM_WEIGHTS:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_brgemm_bf16())
 
 
 def register_rows(rows: int, weights: int, bf16: bool) -> bool:

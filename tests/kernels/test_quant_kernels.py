@@ -142,6 +142,25 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_tiled_f32_kernel_matches_dequantized_reference(fmt):
+    """linear_f32_tiled (float32 rows above DEQUANT_GEMM_ROWS, up to TILED_GEMM_ROWS): several tiles of
+    64 weight rows and a partial one (150 = 64 + 64 + 22), rows on both sides of the switch to
+    dequantize-then-GEMM, and through cpu_quant.linear with a bias."""
+    _cpu_kernels_or_skip()
+    n, k = 150, _k(fmt, 3)
+    blocks, w = _weight(fmt, n, k, seed=n)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    for m in (cpu_quant.DEQUANT_GEMM_ROWS + 1, 64, cpu_quant.TILED_GEMM_ROWS, cpu_quant.TILED_GEMM_ROWS + 1):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want = x.double() @ w.double().T
+        got = cpu_build.load_quant().linear_f32_tiled(x, blocks, cpu_quant.FORMATS[fmt].id)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert ((got.double() - want).abs() <= _tolerance(x, w, 1e-5)).all(), (m, fmt)
+        got = cpu_quant.linear(x, blocks, fmt, bias)
+        assert ((got.double() - want - bias.double()).abs() <= _tolerance(x, w, 1e-5) + 1e-6).all(), (m, fmt)
+
+
 def test_lm_head_sized_weight_past_the_register_rows():
     """A weight of TILED_GEMM_WEIGHTS or more (an LM head) takes the tiled kernel from
     LARGE_REGISTER_ROWS + 1 bf16 rows; both sides of the switch match the reference."""
