@@ -46,16 +46,20 @@ def source_for(config) -> ModelSource:
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
                   chat_template: str | None = None, gguf_weights: str = "native",
                   quantization: str | None = None, quantization_group_size: int = 128) -> ModelSource:
-    """Open a model folder, a .gguf file, or (path None) the embedded default model.
+    """Open a model folder, a .gguf file, or (path None) the embedded default model (its .gguf).
 
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
     file) replaces the tokenizer's own. `gguf_weights`, `quantization` (EngineConfig's): see the
     module docstring; a `quantization` the checkpoint cannot take is a ValueError naming the flag."""
     if path is None:
-        from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
 
-        source = resolve_model(default_model_path(), tokenizer_path, chat_template,
+        # The file as shipped: its Q4_1 blocks stay resident (92 MiB, not the float folder's 621)
+        # and run the block kernels. --quantization quantizes float weights, so it takes the float
+        # folder converted from the same file.
+        default = default_model_path() if quantization else default_gguf_path()
+        source = resolve_model(default, tokenizer_path, chat_template, gguf_weights,
                                quantization=quantization, quantization_group_size=quantization_group_size)
         source.name = DEFAULT_MODEL_NAME
         return source
