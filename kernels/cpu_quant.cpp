@@ -581,6 +581,43 @@ PAGEWISE_VNNI inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows
 }
 
 bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned weight bytes by signed activation bytes into
+// 16-bit pair sums (at most 2 x 15 x 127, or 2 x 127 x 127 for Q8_0's |q|: no saturation), and
+// vpmaddwd by ones widens them to 8 int32 lanes, as llama.cpp's AVX2 dot products do.
+template <int64_t F, int R>
+inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m, int64_t K, float* out) {
+  constexpr int64_t bb = kBlockBytes[F];
+  __m256 acc[R];
+  float offset[R] = {};
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * bb;
+    const float d = half_at(wb);
+    __m256i wq, wsign = _mm256_setzero_si256();
+    if constexpr (F == kQ8_0) {
+      wsign = _mm256_loadu_si256((const __m256i*)(wb + 2));
+      wq = _mm256_sign_epi8(wsign, wsign);  // |q|; q's sign moves onto the activations
+    } else {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(wb + (F == kQ4_1 ? 4 : 2)));
+      wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+    }
+    const float mw = F == kQ4_1 ? half_at(wb + 2) : -8.0f * d;
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m + r) * nb + b;
+      __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m + r) * K + b * kBlock));
+      if constexpr (F == kQ8_0) xq = _mm256_sign_epi8(xq, wsign);
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[i]), acc[r]);
+      if constexpr (F != kQ8_0) offset[r] += mw * a.s[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + offset[r];
+}
+
+bool has_vnni() { return false; }
 #else
 template <int64_t F, int R>
 inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m, int64_t K, float* out) {

@@ -254,6 +254,8 @@ for fmt in t.FORMAT_NAMES:
         x = torch.randn(m, w.shape[1])
         err = (cpu_quant.linear(x, blocks, fmt).double() - x.double() @ w.double().T).abs()
         assert (err <= t._tolerance(x, w, 1e-5)).all(), (fmt, m)
+    if fmt in cpu_quant.Q8_FORMATS:  # int8 activations: the scalar and AVX2 dot products
+        t.test_q8_activation_kernel_within_int8_rounding(fmt)
 print("portable ok")
 """
 
