@@ -1,16 +1,25 @@
-"""pytest plugin (`-p tests.failure_log`): each failing test's report is appended, as the test
-ends, to the file $PAGEWISE_FAILURE_LOG names. pytest prints tracebacks only in its final summary,
-so a run killed at a time limit (gpu_check's test stage on a leased GPU) would otherwise say which
-tests failed but not why. Under pytest-xdist the controller writes (workers forward their reports)."""
+"""pytest plugin (`-p tests.failure_log --failure-log PATH`): each failing test's report is appended
+to PATH as the test ends. pytest prints tracebacks only in its final summary, so a run killed at a
+time limit (gpu_check's test stage on a leased GPU) would otherwise say which tests failed but not
+why. Under pytest-xdist the controller writes (workers forward their reports to it)."""
 
 from __future__ import annotations
 
-import os
+_path: list[str] = []
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--failure-log", default=None, help="append each failing test's report to this file")
+
+
+def pytest_configure(config) -> None:
+    path = config.getoption("--failure-log")
+    if path and not hasattr(config, "workerinput"):  # xdist workers forward, the controller writes
+        _path.append(path)
 
 
 def pytest_runtest_logreport(report) -> None:
-    path = os.environ.get("PAGEWISE_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not _path or not report.failed:
         return
-    with open(path, "a") as f:
+    with open(_path[0], "a") as f:
         f.write(f"\n----- {report.nodeid} ({report.when}) -----\n{report.longreprtext}\n")

@@ -158,13 +158,13 @@ class Log:
             f.write(f"\n===== {title} =====\n{text}\n")
 
 
-def run_stage(log: Log, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+def run_stage(log: Log, name: str, cmd: list[str], timeout: float) -> dict:
     """cmd in a subprocess from the repository root; its output goes to the log, its end to stdout.
     Past `timeout` its whole process group is killed (pytest's own subprocesses included)."""
     print(f"[gpu_check] {name}: {' '.join(cmd)} (limit {timeout:.0f} s)", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -407,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                        else ["-n", str(min(16, os.cpu_count() or 1))])
             st = run_stage(log, "tests", [sys.executable, "-m", "pytest", *mode["test_args"], *workers, "-v",
                                           "-rfEs", "-p", "no:cacheprovider", "-p", "tests.failure_log",
-                                          f"--junitxml={xml}"], mode["tests_timeout"],
-                           env={"PAGEWISE_FAILURE_LOG": failures})
+                                          f"--failure-log={failures}", f"--junitxml={xml}"], mode["tests_timeout"])
             if os.path.exists(failures):  # written as each test failed: there even when the stage was killed
                 with open(failures) as f:
                     log.section("tests: failure reports", f.read())

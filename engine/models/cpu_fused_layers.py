@@ -36,9 +36,9 @@ def unsupported(model) -> str | None:
         return "no layers"
     first = layers[0].self_attn
     for layer in layers:
-        attn = getattr(layer, "self_attn", None)
         if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
             return f"layer type {type(layer).__name__} with {type(layer.mlp).__name__}"
+        attn = layer.self_attn
         if attn.qk_norm:
             return "q/k norms"
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -69,7 +69,7 @@ class CpuFusedLayers:
         self._scales: list[float] = []
         self._bound_to = None  # the first layer's key cache the lists were built against
         self._rows_ok: dict[tuple[int, torch.dtype], bool] = {}
-        self.steps = 0  # forwards that took the fused path (tests and logs read it)
+        self.steps = 0  # forwards that took the fused path (the tests read it)
 
     def _bind(self) -> None:
         """The per-layer argument lists, again whenever the runner allocates new caches."""

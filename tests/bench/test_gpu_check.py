@@ -144,11 +144,10 @@ def test_failure_log_records_why_as_each_test_fails(tmp_path):
     (tmp_path / "test_planted.py").write_text("def test_ok():\n    pass\n\n\n"
                                              "def test_bad():\n    assert 1 == 2, 'planted failure'\n")
     log = tmp_path / "failures.txt"
-    env = {**os.environ, "PAGEWISE_FAILURE_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.failure_log",
-                           "--rootdir", str(tmp_path), str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+                           f"--failure-log={log}", "--rootdir", str(tmp_path), str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:]
     text = log.read_text()
     assert "test_planted.py::test_bad (call)" in text and "planted failure" in text
