@@ -1053,12 +1053,13 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // op and in their order, without the ~250 us of Python and dispatch those modules cost per layer
 // on a slow core (a third of a single-sequence decode step there). The quantized matmul is
 // kernels/cpu_quant.cpp's linear_f32, reached through the address that module hands out (both
-// are built against the same libtorch). Per layer: weights [input norm, qkv, o, post-attention
-// norm, gate_up, down], formats [qkv, o, gate_up, down], caches [key, value] (the physical
-// tensors), kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this
-// path is the modules' path (dense MLP, no biases or q/k norms, one rank, the register kernel's
-// rows) and checks it against them.
+// are built against the same libtorch). Per layer, 9 weights: [input norm, qkv, o, post-attention
+// norm, gate_up, down, qkv bias (Qwen2), q norm, k norm (Qwen3)], an empty tensor where the model
+// has none; formats [qkv, o, gate_up, down]; caches [key, value] (the physical tensors);
+// kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this path is the
+// modules' path (dense MLP, one rank, the register kernel's rows) and checks it against them.
 using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
+constexpr size_t kLayerWeights = 9;
 
 std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                           std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
@@ -1067,15 +1068,16 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
                                           torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens,
                                           int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                                           int64_t linear_address) {
-  const size_t layers = weights.size() / 6;
-  TORCH_CHECK(weights.size() == 6 * layers && formats.size() == 4 * layers && caches.size() == 2 * layers &&
-              kv_scales.size() == 2 * layers, "decoder_layers: 6 weights, 4 formats, 2 caches, 2 scales a layer");
+  const size_t layers = weights.size() / kLayerWeights;
+  TORCH_CHECK(weights.size() == kLayerWeights * layers && formats.size() == 4 * layers &&
+              caches.size() == 2 * layers && kv_scales.size() == 2 * layers,
+              "decoder_layers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layers: hidden must be contiguous [tokens, hidden]");
   auto linear = reinterpret_cast<LinearFn>(linear_address);
   const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
   torch::Tensor x, res = residual.has_value() ? *residual : torch::Tensor();
   for (size_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = &weights[6 * l];
+    const torch::Tensor* w = &weights[kLayerWeights * l];
     const int64_t* f = &formats[4 * l];
     const double k_scale = kv_scales[2 * l], v_scale = kv_scales[2 * l + 1];
     if (!res.defined()) {  // the first layer of a stage that starts the residual stream
@@ -1087,9 +1089,14 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
       res = outs[1];
     }
     auto qkv = linear(x, w[1], f[0]);
+    if (w[6].numel()) qkv += w[6];  // as cpu_quant.linear adds a bias: in place, after the matmul
     const int64_t head_dim = qkv.size(1) / (heads + num_kv_heads);
     auto qk = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     auto v = qkv.narrow(1, heads * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
+    if (w[7].numel()) {  // Qwen3: each head's q and k normalized, then side by side again
+      qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads).contiguous(), c10::nullopt, w[7], eps)[0],
+                    rms_norm(qk.narrow(1, num_heads, num_kv_heads).contiguous(), c10::nullopt, w[8], eps)[0]}, 1);
+    }
     rotary_(qk, cos, sin);
     write_kv(qk.narrow(1, num_heads, num_kv_heads), v, caches[2 * l], caches[2 * l + 1], slot_mapping, k_scale,
              v_scale);

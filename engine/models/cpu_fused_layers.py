@@ -6,9 +6,10 @@ kernel calls: at batch 1 on the default model that was 8.7 of a 21.5 ms decode s
 BENCHMARKS.md "Session 9"). The C++ loop calls the same kernels on the same tensors, so its
 hidden states are the modules' bit for bit (tests/engine/test_cpu_fused_layers.py). It is taken
 only where that holds, else the modules run:
-- statically: every layer the dense Llama layer (engine/models/llama.py) with GGUF-block weights
-  the C++ kernels read (a .gguf file's own blocks, or --quantization int8/int4), no biases, no
-  q/k norms, one tensor-parallel rank, a single pipeline stage;
+- statically: every layer the dense Llama-family layer (engine/models/llama.py: Llama, Mistral,
+  Qwen2's qkv bias, Qwen3's q/k norms) with GGUF-block weights the C++ kernels read (a .gguf
+  file's own blocks, or --quantization int8/int4), no bias past the qkv projection, one
+  tensor-parallel rank, a single pipeline stage;
 - per step: the cpu backend, at most DEQUANT_GEMM_ROWS tokens (where cpu_quant.linear takes its
   register kernel for every layer weight), activations in float32 or bfloat16 and a KV cache of
   the same dtype or fp8, and the step's attention plan.
@@ -39,11 +40,11 @@ def unsupported(model) -> str | None:
         if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
             return f"layer type {type(layer).__name__} with {type(layer.mlp).__name__}"
         attn = layer.self_attn
-        if attn.qk_norm:
-            return "q/k norms"
         linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if any(m.bias is not None for m in linears):
-            return "linear biases"
+        if any(m.bias is not None for m in linears[1:]):
+            return "biases past the qkv projection"
+        if attn.qk_norm and attn.q_norm.eps != layer.input_layernorm.eps:
+            return "q/k norms of another eps"
         if any(m.quant_format is None or m.quant_format.name not in cpu_quant.FORMATS for m in linears):
             return "float weights (the fused path reads GGUF blocks)"
         if (attn.num_heads, attn.num_kv_heads, attn.attn.scale) != (first.num_heads, first.num_kv_heads,
@@ -76,11 +77,15 @@ class CpuFusedLayers:
         from kernels import cpu_ops, cpu_quant
 
         self._weights, self._formats, self._caches, self._scales = [], [], [], []
+        none = torch.empty(0)  # a weight the model does not have (kernels/cpu_ops.cpp: 9 a layer)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self._weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                              layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+                              layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                              none if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+                              attn.q_norm.weight if attn.qk_norm else none,
+                              attn.k_norm.weight if attn.qk_norm else none]
             self._formats += [cpu_quant.FORMATS[m.quant_format.name].id for m in linears]
             self._caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
             self._scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]

@@ -7,9 +7,11 @@ tests/engine/test_gguf_native.py and test_weight_quantization.py, which now run 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.models import cpu_fused_layers
@@ -19,6 +21,22 @@ from tests.tiny_model import build_tiny_model
 pytestmark = pytest.mark.skipif(cpu_build.available() is not None, reason="the CPU kernels did not build here")
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny(path, model_type: str) -> str:
+    """A tiny model whose norms and biases are random too (transformers starts them at ones and
+    zeros, which would let a swapped q/k norm or a dropped bias pass unseen)."""
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model(path, model_type=model_type, **SHAPE)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(11)
+    for name, t in tensors.items():
+        if "norm" in name or name.endswith(".bias"):
+            tensors[name] = (1.0 if "norm" in name else 0.0) + 0.5 * torch.randn(t.shape, generator=gen)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(path)
 
 
 def run(path, prompts, **config):
@@ -37,9 +55,13 @@ def run(path, prompts, **config):
     return tokens, logprobs, steps
 
 
-@pytest.mark.parametrize("quantization, kv_cache_dtype", [("int8", "auto"), ("int4", "auto"), ("int4", "fp8")])
-def test_fused_layers_compute_what_the_modules_compute(tmp_path, quantization, kv_cache_dtype):
-    path = build_tiny_model(tmp_path / "tiny", **SHAPE)
+@pytest.mark.parametrize("model_type, quantization, kv_cache_dtype", [
+    ("llama", "int8", "auto"), ("llama", "int4", "auto"), ("llama", "int4", "fp8"),
+    ("qwen2", "int8", "auto"),  # the qkv bias
+    ("qwen3", "int4", "auto"),  # the q/k norms
+])
+def test_fused_layers_compute_what_the_modules_compute(tmp_path, model_type, quantization, kv_cache_dtype):
+    path = tiny(tmp_path / "tiny", model_type)
     rng = random.Random(7)
     # Three sequences decoding together; prompts of 1 to 30 tokens, chunked by 12 a step (rows <= 16).
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30)]
@@ -79,12 +101,12 @@ def test_steps_above_the_register_rows_run_the_modules(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, config, why", [
-    ("qwen3", dict(quantization="int8"), "q/k norms"),
-    ("qwen2", dict(quantization="int8"), "linear biases"),
     ("llama", dict(), "float weights"),
+    ("mixtral", dict(quantization="int8", num_local_experts=4, num_experts_per_tok=2), "layer type"),
 ])
 def test_models_it_does_not_cover_run_the_modules(tmp_path, model_type, config, why):
-    path = build_tiny_model(tmp_path / "tiny", model_type=model_type, **SHAPE)
+    shape = {k: config.pop(k) for k in ("num_local_experts", "num_experts_per_tok") if k in config}
+    path = build_tiny_model(tmp_path / "tiny", model_type=model_type, **SHAPE, **shape)
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, **config)
     try:
         inner = llm.engine.runner.model.model
