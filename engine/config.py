@@ -110,10 +110,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
                                            "auto picks by device")
-    cpu_fused_layers: bool = _knob(True, "cpu backend: run a small step (the register kernel's rows) through "
-                                   "the decoder layers in one C++ call where that computes what the modules "
-                                   "do (GGUF-block weights, dense Llama-family layers, one process); off: the "
-                                   "modules op by op")
+    cpu_fused_layers: bool = _knob(True, "cpu backend: run a small step (up to 16 tokens) through the decoder "
+                                   "layers in one C++ call, which computes what the modules do (dense "
+                                   "Llama-family layers, one process); off: the modules op by op")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
                                           "use, its affinity capped by its cgroup CPU quota, fewer while other "
                                           "processes keep them busy)")

@@ -19,6 +19,8 @@
 // (no dequantized copy of the cache), with one float scale per tensor (k_scale, v_scale).
 
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>  // decoder_layers: oneDNN's packed linear, called boxed
+#include <ATen/core/stack.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>  // at::native::cpublas::brgemm: oneDNN's microkernel (the fused MoE)
 #include <ATen/cpu/vec/functional.h>
@@ -1055,11 +1057,35 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // kernels/cpu_quant.cpp's linear_f32, reached through the address that module hands out (both
 // are built against the same libtorch). Per layer, 9 weights: [input norm, qkv, o, post-attention
 // norm, gate_up, down, qkv bias (Qwen2), q norm, k norm (Qwen3)], an empty tensor where the model
-// has none; formats [qkv, o, gate_up, down]; caches [key, value] (the physical tensors);
+// has none; formats [qkv, o, gate_up, down] (a GGUF block format, or kPlainWeight / kPackedWeight);
+// caches [key, value] (the physical tensors);
 // kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this path is the
 // modules' path (dense MLP, one rank, the register kernel's rows) and checks it against them.
 using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
 constexpr size_t kLayerWeights = 9;
+// A float weight's "format": plain (F.linear) or packed by oneDNN (kernels/cpu_ops.py
+// pack_linear_weight, multiplied by mkldnn::_linear_pointwise, called boxed here so that no C++
+// signature of a private op is assumed).
+constexpr int64_t kPlainWeight = -1, kPackedWeight = -2;
+
+// x @ w^T (+ bias) exactly as the module's matmul computes it: GGUF blocks through linear_f32 with
+// the bias added in place after, float weights through the same ATen / oneDNN op with the bias in it.
+at::Tensor layer_linear(LinearFn linear, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                        const at::Tensor& bias) {
+  const bool has_bias = bias.defined() && bias.numel();
+  if (fmt >= 0) {
+    auto y = linear(x, w, fmt);
+    if (has_bias) y += bias;
+    return y;
+  }
+  const c10::optional<at::Tensor> b = has_bias ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  if (fmt == kPlainWeight) return at::linear(x, w, b);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, b.has_value() ? c10::IValue(*b) : c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
 
 std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
                                           std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
@@ -1088,8 +1114,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
       x = outs[0];
       res = outs[1];
     }
-    auto qkv = linear(x, w[1], f[0]);
-    if (w[6].numel()) qkv += w[6];  // as cpu_quant.linear adds a bias: in place, after the matmul
+    auto qkv = layer_linear(linear, x, w[1], f[0], w[6]);
     const int64_t head_dim = qkv.size(1) / (heads + num_kv_heads);
     auto qk = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     auto v = qkv.narrow(1, heads * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
@@ -1104,10 +1129,11 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
     auto o = torch::empty(q.sizes(), q.options());
     paged_attention(o, q, caches[2 * l], caches[2 * l + 1], block_tables, row_seq, lens, scale, k_scale, v_scale);
     if (rows < tokens) o.narrow(0, rows, tokens - rows).zero_();
-    auto attn = linear(o.view({tokens, num_heads * head_dim}), w[2], f[1]);
+    const at::Tensor none;
+    auto attn = layer_linear(linear, o.view({tokens, num_heads * head_dim}), w[2], f[1], none);
     auto outs = rms_norm(attn, res, w[3], eps);
     res = outs[1];
-    hidden = linear(silu_and_mul(linear(outs[0], w[4], f[2])), w[5], f[3]);
+    hidden = layer_linear(linear, silu_and_mul(layer_linear(linear, outs[0], w[4], f[2], none)), w[5], f[3], none);
   }
   return {hidden, res};
 }

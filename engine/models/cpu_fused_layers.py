@@ -7,12 +7,12 @@ BENCHMARKS.md "Session 9"). The C++ loop calls the same kernels on the same tens
 hidden states are the modules' bit for bit (tests/engine/test_cpu_fused_layers.py). It is taken
 only where that holds, else the modules run:
 - statically: every layer the dense Llama-family layer (engine/models/llama.py: Llama, Mistral,
-  Qwen2's qkv bias, Qwen3's q/k norms) with GGUF-block weights the C++ kernels read (a .gguf
-  file's own blocks, or --quantization int8/int4), no bias past the qkv projection, one
-  tensor-parallel rank, a single pipeline stage;
+  Qwen2's qkv bias, Qwen3's q/k norms), each weight GGUF blocks the C++ kernels read (a .gguf
+  file's own, or --quantization int8/int4) or float (plain, or packed by oneDNN), no bias past
+  the qkv projection, one tensor-parallel rank, a single pipeline stage;
 - per step: the cpu backend, at most DEQUANT_GEMM_ROWS tokens (where cpu_quant.linear takes its
-  register kernel for every layer weight), activations in float32 or bfloat16 and a KV cache of
-  the same dtype or fp8, and the step's attention plan.
+  register kernel for every block weight), activations in float32 or bfloat16 and weights, norms
+  and a KV cache (or fp8) of that dtype, and the step's attention plan.
 EngineConfig.cpu_fused_layers turns it off (for measurement: the same tokens, slower).
 """
 
@@ -24,6 +24,9 @@ from engine.distributed.state import pp_state, tp_state
 from engine.layers.context import get_forward_context
 from engine.models.llama import MLP, DecoderLayer
 from kernels.reference import is_fp8
+
+# kernels/cpu_ops.cpp's codes for a float weight, beside the block formats' kernel ids (>= 0).
+PLAIN_WEIGHT, PACKED_WEIGHT = -1, -2
 
 
 def unsupported(model) -> str | None:
@@ -45,8 +48,8 @@ def unsupported(model) -> str | None:
             return "biases past the qkv projection"
         if attn.qk_norm and attn.q_norm.eps != layer.input_layernorm.eps:
             return "q/k norms of another eps"
-        if any(m.quant_format is None or m.quant_format.name not in cpu_quant.FORMATS for m in linears):
-            return "float weights (the fused path reads GGUF blocks)"
+        if any(m.quant_format is not None and m.quant_format.name not in cpu_quant.FORMATS for m in linears):
+            return "a block format without a CPU kernel"
         if (attn.num_heads, attn.num_kv_heads, attn.attn.scale) != (first.num_heads, first.num_kv_heads,
                                                                      first.attn.scale):
             return "layers of different attention shapes"
@@ -74,19 +77,19 @@ class CpuFusedLayers:
 
     def _bind(self) -> None:
         """The per-layer argument lists, again whenever the runner allocates new caches."""
-        from kernels import cpu_ops, cpu_quant
+        from kernels import cpu_ops
 
         self._weights, self._formats, self._caches, self._scales = [], [], [], []
         none = torch.empty(0)  # a weight the model does not have (kernels/cpu_ops.cpp: 9 a layer)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            self._weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                              layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                              none if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            self._weights += [layer.input_layernorm.weight, _operand(qkv), _operand(o),
+                              layer.post_attention_layernorm.weight, _operand(gate_up), _operand(down),
+                              none if qkv.bias is None else qkv.bias,
                               attn.q_norm.weight if attn.qk_norm else none,
                               attn.k_norm.weight if attn.qk_norm else none]
-            self._formats += [cpu_quant.FORMATS[m.quant_format.name].id for m in linears]
+            self._formats += [_format(m) for m in (qkv, o, gate_up, down)]
             self._caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
             self._scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
         self._bound_to = self.layers[0].self_attn.attn.k_cache
@@ -101,11 +104,14 @@ class CpuFusedLayers:
             return False  # the modules convert 16-bit caches under float32 models through the reference
         key = (hidden.shape[0], hidden.dtype)
         if key not in self._rows_ok:
-            ok = hidden.dtype in (torch.float32, torch.bfloat16) and \
-                self.layers[0].input_layernorm.weight.dtype == hidden.dtype
+            ok = hidden.dtype in (torch.float32, torch.bfloat16) and hidden.shape[0] <= cpu_quant.DEQUANT_GEMM_ROWS \
+                and self.layers[0].input_layernorm.weight.dtype == hidden.dtype
             for layer in self.layers if ok else ():
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                           layer.mlp.down_proj):
+                    if m.quant_format is None:  # F.linear / oneDNN take the activations' dtype only
+                        ok = ok and m.weight.dtype == hidden.dtype
+                        continue
                     weights = m.weight.shape[0] * m.quant_format.in_features(m.weight.shape[1])
                     ok = ok and cpu_quant.register_rows(hidden.shape[0], weights, hidden.dtype == torch.bfloat16)
             self._rows_ok[key] = ok
@@ -130,6 +136,21 @@ class CpuFusedLayers:
             self.num_heads, self.num_kv_heads, self.eps, self.scale, _linear_address())
         self.steps += 1
         return out[0], out[1]
+
+
+def _operand(linear) -> torch.Tensor:
+    """What the module's matmul multiplies by: its blocks, its oneDNN-packed weight, or its weight."""
+    return linear.packed_weight if linear.quant_format is None and linear.packed_weight is not None \
+        else linear.weight
+
+
+def _format(linear) -> int:
+    """kernels/cpu_ops.cpp's code for how to multiply by _operand(linear)."""
+    from kernels import cpu_quant
+
+    if linear.quant_format is not None:
+        return cpu_quant.FORMATS[linear.quant_format.name].id
+    return PLAIN_WEIGHT if linear.packed_weight is None else PACKED_WEIGHT
 
 
 _address: list[int] = []

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, model_runner
 from engine.models import cpu_fused_layers
 from kernels import cpu_build
 from tests.tiny_model import build_tiny_model
@@ -55,12 +55,17 @@ def run(path, prompts, **config):
     return tokens, logprobs, steps
 
 
-@pytest.mark.parametrize("model_type, quantization, kv_cache_dtype", [
-    ("llama", "int8", "auto"), ("llama", "int4", "auto"), ("llama", "int4", "fp8"),
-    ("qwen2", "int8", "auto"),  # the qkv bias
-    ("qwen3", "int4", "auto"),  # the q/k norms
+@pytest.mark.parametrize("model_type, quantization, kv_cache_dtype, unpack", [
+    ("llama", "int8", "auto", False), ("llama", "int4", "auto", False), ("llama", "int4", "fp8", False),
+    ("qwen2", "int8", "auto", False),  # the qkv bias, added after the block matmul
+    ("qwen3", "int4", "auto", False),  # the q/k norms
+    ("llama", None, "auto", False),  # float weights: oneDNN's packed matmul where it packs them
+    ("qwen2", None, "auto", True),  # float weights through F.linear, the bias inside it
 ])
-def test_fused_layers_compute_what_the_modules_compute(tmp_path, model_type, quantization, kv_cache_dtype):
+def test_fused_layers_compute_what_the_modules_compute(tmp_path, monkeypatch, model_type, quantization,
+                                                      kv_cache_dtype, unpack):
+    if unpack:  # float weights left plain (F.linear), as where oneDNN cannot pack them
+        monkeypatch.setattr(model_runner, "pack_weights", lambda model, pack: None)
     path = tiny(tmp_path / "tiny", model_type)
     rng = random.Random(7)
     # Three sequences decoding together; prompts of 1 to 30 tokens, chunked by 12 a step (rows <= 16).
@@ -101,8 +106,8 @@ def test_steps_above_the_register_rows_run_the_modules(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, config, why", [
-    ("llama", dict(), "float weights"),
     ("mixtral", dict(quantization="int8", num_local_experts=4, num_experts_per_tok=2), "layer type"),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "layer type"),
 ])
 def test_models_it_does_not_cover_run_the_modules(tmp_path, model_type, config, why):
     shape = {k: config.pop(k) for k in ("num_local_experts", "num_experts_per_tok") if k in config}
