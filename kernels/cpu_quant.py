@@ -19,7 +19,7 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            (and for bf16 without brgemm) the whole weight dequantized to the
                            activations' dtype, then F.linear (oneDNN/MKL GEMM): the dequantization
                            is paid once for M rows.
-linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI, as
+linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI or AVX2, as
 llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
 benchmarks/quant/README.md.
 """
