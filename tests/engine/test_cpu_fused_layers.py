@@ -110,6 +110,7 @@ def test_steps_above_the_register_rows_run_the_modules(tmp_path):
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "layer type"),
 ])
 def test_models_it_does_not_cover_run_the_modules(tmp_path, model_type, config, why):
+    config = dict(config)  # the parametrized dict is shared: pop from a copy
     shape = {k: config.pop(k) for k in ("num_local_experts", "num_experts_per_tok") if k in config}
     path = build_tiny_model(tmp_path / "tiny", model_type=model_type, **SHAPE, **shape)
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, **config)
