@@ -163,6 +163,13 @@ inline void q6_k_values(const uint8_t* b, Emit&& emit) {
   }
 }
 
+// A Q4_0 / Q4_1 block's 16 bytes of nibbles (at qs) as 32 unsigned bytes in weight order: the low
+// nibbles (weights 0..15), then the high ones (16..31). The int8-activation dot products read these.
+inline __m256i q4_bytes(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -548,7 +555,6 @@ PAGEWISE_VNNI inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows
   __m256 acc[R];
   float offset[R] = {};  // the min / -8 terms: sum over blocks of m_w * d_x * sum(q_x)
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * bb;
     const float d = half_at(wb);
@@ -559,8 +565,7 @@ PAGEWISE_VNNI inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows
       neg = _mm256_movepi8_mask(q);
       wq = _mm256_abs_epi8(q);
     } else {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(wb + (F == kQ4_1 ? 4 : 2)));
-      wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+      wq = q4_bytes(wb + (F == kQ4_1 ? 4 : 2));
     }
     const float mw = F == kQ4_1 ? half_at(wb + 2) : -8.0f * d;
     for (int r = 0; r < R; ++r) {
@@ -591,7 +596,6 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m
   __m256 acc[R];
   float offset[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * bb;
@@ -601,8 +605,7 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m
       wsign = _mm256_loadu_si256((const __m256i*)(wb + 2));
       wq = _mm256_sign_epi8(wsign, wsign);  // |q|; q's sign moves onto the activations
     } else {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(wb + (F == kQ4_1 ? 4 : 2)));
-      wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+      wq = q4_bytes(wb + (F == kQ4_1 ? 4 : 2));
     }
     const float mw = F == kQ4_1 ? half_at(wb + 2) : -8.0f * d;
     for (int r = 0; r < R; ++r) {
