@@ -131,9 +131,9 @@ def weight_bytes(runner, batch: int) -> int:
     return total
 
 
-def prefill_steps(config, batch: int, context: int) -> int:
-    """Engine steps the batch's prompts take to prefill, a step's token budget at a time."""
-    return -(-batch * context // config.max_num_batched_tokens)
+def prefill_steps(batch: int, context: int, step_tokens: int) -> int:
+    """Engine steps the batch's prompts take to prefill, step_tokens (max_num_batched_tokens) a step."""
+    return -(-batch * context // step_tokens)
 
 
 def _decode_steps_until_all_decoding(core, batch: int) -> None:
@@ -159,7 +159,7 @@ def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: in
     vocab = core.vocab_size
     # The first prompts decode while later ones are still prefilling (max_num_batched_tokens a
     # step): their token budget covers those steps too, or they finish inside the timed window.
-    total = warmup + steps + profile_steps_n + 2 + prefill_steps(core.config, batch, context)
+    total = warmup + steps + profile_steps_n + 2 + prefill_steps(batch, context, core.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
     ids = [f"anatomy-{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -222,7 +222,7 @@ def run(model: str, batch_sizes: list[int], context: int, steps: int, profile_st
 
     rows = []
     for m, (mode, eager) in enumerate(graph_modes(graphs)):
-        new_tokens = 3 + steps + profile_steps_n + 2 + -(-max(batch_sizes) * context // STEP_TOKENS)
+        new_tokens = 3 + steps + profile_steps_n + 2 + prefill_steps(max(batch_sizes), context, STEP_TOKENS)
         llm = build_engine(model, max(batch_sizes), context, new_tokens, dtype, eager, attention_backend)
         try:
             for i, batch in enumerate(batch_sizes):

@@ -18,6 +18,8 @@ EngineConfig.cpu_fused_layers turns it off (for measurement: the same tokens, sl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.distributed.state import pp_state, tp_state
@@ -153,12 +155,8 @@ def _format(linear) -> int:
     return PLAIN_WEIGHT if linear.packed_weight is None else PACKED_WEIGHT
 
 
-_address: list[int] = []
-
-
+@functools.cache
 def _linear_address() -> int:
-    if not _address:
-        from kernels import cpu_build
+    from kernels import cpu_build
 
-        _address.append(cpu_build.load_quant().linear_f32_address())
-    return _address[0]
+    return cpu_build.load_quant().linear_f32_address()
