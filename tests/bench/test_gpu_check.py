@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from engine.bench import decode_anatomy, gpu_check
+from engine.bench import decode_anatomy, gpu_check, gpu_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Not on the GPU machine gpu_check runs on: importing any of them must not be needed.
@@ -84,7 +84,7 @@ def test_targets_from_known_numbers():
                        dict(phase="decode", fraction=0.5, target=None, meets=None),
                        dict(phase="prefill", fraction=0.6, target=0.8, meets=False)])
     targets = {t["target"].split(" ")[0] + " " + t["target"].split(" ")[1]: t
-               for t in gpu_check.summarize(dict(kernel_bench=bench, anatomy=anatomy))}
+               for t in gpu_report.summarize(dict(kernel_bench=bench, anatomy=anatomy))}
     assert targets["decode attention"]["value"] == 0.75 and targets["decode attention"]["met"] is True
     assert targets["prefill attention"]["met"] is False
     assert targets["batch-1 decode,"]["value"] == pytest.approx(2400 / 3000) and targets["batch-1 decode,"]["met"]
