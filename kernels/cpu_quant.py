@@ -7,14 +7,15 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
 (measured on the 2-core AVX-512 machine, benchmarks/quant/):
   M <= DEQUANT_GEMM_ROWS   (LARGE_REGISTER_ROWS for bf16 rows against a weight of TILED_GEMM_WEIGHTS or
                            more: an LM head) linear_f32: each block dequantized to float in registers and FMA'd
-                           against up to 4 rows at once; exact float math, so it agrees with the
+                           against up to 8 rows at once; exact float math, so it agrees with the
                            dequantize-then-matmul reference to summation order.
   M >  DEQUANT_GEMM_ROWS   bf16 activations: linear_bf16_tiled, 64 weight rows at a time
                            dequantized to bf16 into a tile that stays in L2 and multiplied by
                            oneDNN's brgemm (AMX here); float32 activations: linear_f32_tiled, the
                            same with float tiles and one sgemm each (any CPU: on the AVX2 machine
                            2-5x dequantize-then-GEMM for the default model's layers at 17-64 rows,
-                           3-9x for its LM head, even at 128 rows). Up to TILED_GEMM_ROWS rows, or
+                           3-9x for its LM head, even at 128 rows; an AVX2 build multiplies each
+                           tile with its own 6 x 16 register micro-kernel instead, 1.1-1.45x sgemm). Up to TILED_GEMM_ROWS rows, or
                            at any M for a weight too big to reuse from cache (an LM head); otherwise
                            (and for bf16 without brgemm) the whole weight dequantized to the
                            activations' dtype, then F.linear (oneDNN/MKL GEMM): the dequantization

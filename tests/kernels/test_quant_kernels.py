@@ -100,9 +100,9 @@ def _tolerance(x: torch.Tensor, w: torch.Tensor, rel: float) -> torch.Tensor:
     return rel * (x.abs().double() @ w.abs().double().T) + 1e-6
 
 
-# Activation rows: each remainder of the kernel's groups of 4 (1..5), its most (DEQUANT_GEMM_ROWS:
-# four groups over each tile of weight rows), and above it (the dequantize-then-GEMM path).
-ROWS = (1, 2, 3, 4, 5, cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1, 64)
+# Activation rows: each remainder of the kernel's groups of 4 (1..5), a group of 8 then 3 (11), its
+# most (DEQUANT_GEMM_ROWS: two groups of 8), and above it (the tiled and dequantize-then-GEMM paths).
+ROWS = (1, 2, 3, 4, 5, 11, cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1, 64)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -142,16 +142,18 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_tiled_f32_kernel_matches_dequantized_reference(fmt):
+@pytest.mark.parametrize(("fmt", "n"), [(fmt, 150) for fmt in FORMAT_NAMES] + [("Q4_1", n) for n in (133, 131, 130, 129)])
+def test_tiled_f32_kernel_matches_dequantized_reference(fmt, n):
     """linear_f32_tiled (float32 rows above DEQUANT_GEMM_ROWS, up to TILED_GEMM_ROWS): several tiles of
-    64 weight rows and a partial one (150 = 64 + 64 + 22), rows on both sides of the switch to
-    dequantize-then-GEMM, and through cpu_quant.linear with a bias."""
+    64 weight rows and a partial one (150 = 64 + 64 + 22; the others end in 5, 3, 2 and 1 rows, so
+    the AVX2 micro-kernel's tails of 1-5 weight rows all run), activation rows that fill its slabs
+    of 16 or leave 1 or 15 over, rows on both sides of the switch to dequantize-then-GEMM, and
+    through cpu_quant.linear with a bias."""
     _cpu_kernels_or_skip()
-    n, k = 150, _k(fmt, 3)
+    k = _k(fmt, 3)
     blocks, w = _weight(fmt, n, k, seed=n)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    for m in (cpu_quant.DEQUANT_GEMM_ROWS + 1, 64, cpu_quant.TILED_GEMM_ROWS, cpu_quant.TILED_GEMM_ROWS + 1):
+    for m in (cpu_quant.DEQUANT_GEMM_ROWS + 1, 31, 64, cpu_quant.TILED_GEMM_ROWS, cpu_quant.TILED_GEMM_ROWS + 1):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         want = x.double() @ w.double().T
         got = cpu_build.load_quant().linear_f32_tiled(x, blocks, cpu_quant.FORMATS[fmt].id)
