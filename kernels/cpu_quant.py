@@ -15,11 +15,11 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            same with float tiles and one sgemm each (any CPU: on the AVX2 machine
                            2-5x dequantize-then-GEMM for the default model's layers at 17-64 rows,
                            3-9x for its LM head, even at 128 rows; an AVX2 build multiplies each
-                           tile with its own 6 x 16 register micro-kernel instead, 1.1-1.45x sgemm). Up to TILED_GEMM_ROWS rows, or
-                           at any M for a weight too big to reuse from cache (an LM head); otherwise
-                           (and for bf16 without brgemm) the whole weight dequantized to the
-                           activations' dtype, then F.linear (oneDNN/MKL GEMM): the dequantization
-                           is paid once for M rows.
+                           tile with its own 6 x 16 register micro-kernel instead, 1.1-1.45x
+                           sgemm). Up to TILED_GEMM_ROWS rows, or at any M for a weight too big to
+                           reuse from cache (an LM head); otherwise (and for bf16 without brgemm)
+                           the whole weight dequantized to the activations' dtype, then F.linear
+                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
 linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI or AVX2, as
 llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
 benchmarks/quant/README.md.

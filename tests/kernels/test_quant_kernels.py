@@ -142,7 +142,8 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
 
 
-@pytest.mark.parametrize(("fmt", "n"), [(fmt, 150) for fmt in FORMAT_NAMES] + [("Q4_1", n) for n in (133, 131, 130, 129)])
+@pytest.mark.parametrize(("fmt", "n"), [(fmt, 150) for fmt in FORMAT_NAMES]
+                         + [("Q4_1", n) for n in (133, 131, 130, 129)])
 def test_tiled_f32_kernel_matches_dequantized_reference(fmt, n):
     """linear_f32_tiled (float32 rows above DEQUANT_GEMM_ROWS, up to TILED_GEMM_ROWS): several tiles of
     64 weight rows and a partial one (150 = 64 + 64 + 22; the others end in 5, 3, 2 and 1 rows, so
