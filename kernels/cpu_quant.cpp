@@ -479,8 +479,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
 
 // Activation rows go through dot_rows in groups: of 8 while 8 remain, then of at most 4. One pass
 // over the weights serves a group, so 8 rows decode each block once where two groups of 4 decode
-// it twice (measured on the AVX2 machine, the default model's 210 Q4_1 matrices, 2 threads: 8 rows
-// 1.3x faster; 16 rows as two groups of 8 likewise).
+// it twice (measured on the AVX2 machine, the default model's 210 Q4_1 matrices, cold, 2 threads:
+// 8 rows 1.09x faster, 16 rows as two groups of 8 1.10x; BENCHMARKS.md, "Session 10").
 constexpr int64_t kWideGroup = 8;
 
 template <int64_t F, typename Out>
@@ -913,8 +913,8 @@ at::Tensor linear_bf16_tiled(const at::Tensor& x, const at::Tensor& w, int64_t f
 // weight rows into a float tile that stays in L2 (64 x K x 4 bytes: 384 KiB at K = 1536) and
 // multiplies it with one single-threaded sgemm (inside the parallel region BLAS runs on the
 // calling thread; on AVX2, the micro-kernel below), so the weight is decoded once per step and
-// never written out whole: the old
-// path dequantized every matrix to a full float copy each step, then ran the GEMM.
+// never written out whole: the old path dequantized every matrix to a full float copy each step,
+// then ran the GEMM.
 constexpr int64_t kFloatTileRows = 64;
 
 #if !defined(CPU_CAPABILITY_AVX2)
@@ -942,8 +942,8 @@ void tile_gemm(const float* tile, int64_t rows, const float* x, int64_t M, int64
 #if defined(CPU_CAPABILITY_AVX2)
 // On AVX2 the tile's GEMM is a register-blocked micro-kernel of our own instead of sgemm: sgemm
 // pays its packing and dispatch on every 64-row tile, and the micro-kernel ran the default model's
-// Q4_1 matrices 1.08-1.45x faster at 16-256 activation rows (2 threads, same process,
-// benchmarks/quant/README.md). Above TILED_GEMM_ROWS one large MKL GEMM on the dequantized weight
+// Q4_1 matrices 1.08-1.45x faster at 16-256 activation rows (same process, 1 and 2 threads;
+// BENCHMARKS.md, "Session 10"). Above TILED_GEMM_ROWS one large MKL GEMM on the dequantized weight
 // is still faster (136 against 117 GFLOP/s at 2,048 rows), so that path stays.
 // The activations are packed once per call, transposed in slabs of kSlab rows ([K][kSlab] each,
 // zero-padded), so the kernel's inner loop reads one slab row (two vectors) and broadcasts one
