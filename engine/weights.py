@@ -44,7 +44,7 @@ class GGUFTensors:
 
         self.path = path
         self.gguf_weights = gguf_weights
-        self.model = load_gguf(path)
+        self.model = load_gguf(path, with_tokenizer=False)
         self.types = self.model.types()  # HF name -> (GGUF name, GGUF type name)
         self.native: set[str] = set()
 

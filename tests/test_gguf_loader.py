@@ -300,3 +300,32 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert default_model.cache_dir() == str(tmp_path / "xdg" / "pagewise")
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path / "pw"))
     assert default_model.cache_dir() == str(tmp_path / "pw")
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(monkeypatch, tmp_path, caplog):
+    """The oracle is transformers' own conversion from the file: the cached copy must tokenize,
+    decode and name its special tokens exactly as it does; an unwritable cache only costs time."""
+    from engine.gguf_loader import gguf_tokenizer
+
+    path = default_gguf_path()
+    monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    converted = gguf_tokenizer(path)
+    (entry,) = os.listdir(tmp_path / "cache" / "gguf-tokenizers")
+    folder = str(tmp_path / "cache" / "gguf-tokenizers" / entry)
+    cached = gguf_tokenizer(path)
+    assert os.path.realpath(cached.name_or_path) == os.path.realpath(folder)
+    text = "Hello world! <|im_start|>user\nWhat's 2+2? Größe, 日本語 テスト, emoji 🙂  two  spaces\n\ttab<|im_end|>"
+    assert cached(text).input_ids == converted(text).input_ids
+    ids = list(range(0, len(converted), 37))
+    assert cached.decode(ids) == converted.decode(ids)
+    assert (cached.bos_token, cached.eos_token, cached.all_special_tokens, len(cached)) == \
+        (converted.bos_token, converted.eos_token, converted.all_special_tokens, len(converted))
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(blocked / "cache"))  # under a file: makedirs fails
+    with caplog.at_level("INFO", logger="engine.gguf_loader"):
+        again = gguf_tokenizer(path)
+    assert again(text).input_ids == converted(text).input_ids
+    assert "not cached" in caplog.text

@@ -18,7 +18,7 @@ from tests.engine.json_schemas import SCHEMAS
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(device="cpu", dtype="bfloat16", num_kv_blocks=512, max_model_len=1024, seed=0) as engine:
+    with LLM(device="cpu", num_kv_blocks=512, max_model_len=1024, seed=0) as engine:
         yield engine
 
 
