@@ -26,6 +26,7 @@ def _ask(schema) -> list[dict]:
     return [{"role": "user", "content": "Reply with a JSON object that fits this schema: " + json.dumps(schema)}]
 
 
+@pytest.mark.slow  # ~35 s with its engine; the fast lane keeps the regex / choice / grammar tests
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forty_schemas_parse_and_validate(llm, temperature):
     params = [SamplingParams(max_tokens=200, temperature=temperature, seed=i,

@@ -9,7 +9,9 @@ import pytest
 
 from kernels import cpu_build
 
-pytestmark = pytest.mark.skipif(cpu_build.available() is not None, reason="the CPU kernels did not build")
+# slow: every op at every size, ~30 s on 2 cores (the fast lane has the kernels' own tests).
+pytestmark = [pytest.mark.skipif(cpu_build.available() is not None, reason="the CPU kernels did not build"),
+              pytest.mark.slow]
 
 
 def test_cpu_bench_writes_every_op(tmp_path):

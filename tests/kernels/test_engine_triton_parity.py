@@ -18,6 +18,7 @@ MODELS = {"llama": dict(model_type="llama"), "qwen3": dict(model_type="qwen3"),
 
 
 @pytest.mark.device_auto  # the Triton kernels compiled on CUDA where there is a GPU, interpreted here
+@pytest.mark.slow  # 10-15 s a model under the interpreter
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_engine_greedy_parity_with_triton_backend(triton_ops, tmp_path, family):
     path = build_tiny_model(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2, **MODELS[family])

@@ -224,6 +224,7 @@ def test_cpu_long_contexts():
 
 
 @pytest.mark.device_auto  # the Triton kernels compiled on CUDA where there is a GPU, interpreted here
+@pytest.mark.slow  # ~8 s under the interpreter
 def test_engine_fp8_on_triton_matches_torch(triton_ops, tmp_path):
     from engine import LLM, SamplingParams
     from tests.tiny_model import build_tiny_model

@@ -13,6 +13,7 @@ from tests.kernels.kernel_cases import DEVICE
 from tests.tiny_model import build_tiny_model
 
 
+@pytest.mark.slow  # ~15 s under the interpreter
 def test_fp8_triton_equals_torch(triton_ops, tmp_path, monkeypatch):
     from kernels import triton_quant
 

@@ -201,6 +201,7 @@ def test_warmup_launches_each_plan_once_per_layer_shape(triton_quant, monkeypatc
 
 # ---- the engine: --quantization int8 / int4 on the triton backend ----------------------------------
 
+@pytest.mark.slow  # ~15 s each under the interpreter
 @pytest.mark.parametrize("method, group_size", [("int8", 128), ("int4", 32)])
 def test_engine_greedy_triton_equals_torch(triton_quant, tmp_path, monkeypatch, method, group_size):
     """A tiny Llama quantized at load: the triton backend (attention and the quantized matmuls in
