@@ -164,6 +164,7 @@ class ModelRunner:
         load_weights(self.model, checkpoint_tensors(source))
         pack_weights(self.model, self.backend.pack_linear_weight)
         pack_experts(self.model, self.backend.pack_moe_weights)
+        self._quantized_activations(source)
         self._fuse_cpu_layers()
         self.model.eval()
         # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
@@ -186,6 +187,31 @@ class ModelRunner:
         self._allocate_kv_cache()
         if not self._graphs_off():
             self._capture_graphs()
+
+    def _quantized_activations(self, source) -> None:
+        """cpu backend, a .gguf file: the matmuls on its 32-weight blocks take int16 (or int8)
+        activations at small steps (EngineConfig.cpu_gguf_activations) where this build has those
+        integer dot products; said in the log either way."""
+        kind = self.config.cpu_gguf_activations
+        if kind == "float" or self.backend.name != "cpu" or not source.is_gguf:
+            return
+        from kernels import cpu_build, cpu_quant
+
+        if cpu_build.available() is not None:
+            return  # no C++ kernels: the reference multiplies every format
+        matmuls = [m for m in self.model.modules() if hasattr(m, "activations") and m.quant_format is not None]
+        taken = sorted({m.quant_format.name for m in matmuls if cpu_quant.takes_activations(m.quant_format.name, kind)})
+        for m in matmuls:
+            if m.quant_format.name in taken:
+                m.activations = kind
+        left = sorted({m.quant_format.name for m in matmuls} - set(taken))
+        if taken:
+            logger.info("%s activations for the %s matmuls of steps up to %d tokens (cpu_gguf_activations)%s",
+                        kind, "/".join(taken), cpu_quant.DEQUANT_GEMM_ROWS,
+                        f"; float for {'/'.join(left)}" if left else "")
+        elif left:
+            logger.info("float activations for the %s matmuls: no %s kernel for them on this build "
+                        "(cpu_gguf_activations)", "/".join(left), kind)
 
     def _fuse_cpu_layers(self) -> None:
         """cpu backend: small steps through every decoder layer in one C++ call where that is the

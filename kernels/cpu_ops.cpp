@@ -1054,8 +1054,9 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // What the Llama-family modules (engine/models/llama.py) run per layer on the cpu backend, op for
 // op and in their order, without the ~250 us of Python and dispatch those modules cost per layer
 // on a slow core (a third of a single-sequence decode step there). The quantized matmul is
-// kernels/cpu_quant.cpp's linear_f32, reached through the address that module hands out (both
-// are built against the same libtorch). Per layer, 9 weights: [input norm, qkv, o, post-attention
+// kernels/cpu_quant.cpp's linear_f32, or its linear_q8 for a weight whose format carries
+// kInt8Activations, reached through the addresses that module hands out (both are built against
+// the same libtorch). Per layer, 9 weights: [input norm, qkv, o, post-attention
 // norm, gate_up, down, qkv bias (Qwen2), q norm, k norm (Qwen3)], an empty tensor where the model
 // has none; formats [qkv, o, gate_up, down] (a GGUF block format, or kPlainWeight / kPackedWeight);
 // caches [key, value] (the physical tensors);
@@ -1067,14 +1068,23 @@ constexpr size_t kLayerWeights = 9;
 // pack_linear_weight, multiplied by mkldnn::_linear_pointwise, called boxed here so that no C++
 // signature of a private op is assumed).
 constexpr int64_t kPlainWeight = -1, kPackedWeight = -2;
+// Added to a block format: the module quantizes its activations to int8 (linear_q8) or int16
+// (linear_q16), as engine/models/cpu_fused_layers.py's ACTIVATION_CODES says.
+constexpr int64_t kInt8Activations = 256, kInt16Activations = 512;
 
 // x @ w^T (+ bias) exactly as the module's matmul computes it: GGUF blocks through linear_f32 with
 // the bias added in place after, float weights through the same ATen / oneDNN op with the bias in it.
-at::Tensor layer_linear(LinearFn linear, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+struct Linears {
+  LinearFn f32, q8, q16;
+};
+
+at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                         const at::Tensor& bias) {
   const bool has_bias = bias.defined() && bias.numel();
   if (fmt >= 0) {
-    auto y = linear(x, w, fmt);
+    auto y = fmt >= kInt16Activations  ? linear.q16(x, w, fmt - kInt16Activations)
+             : fmt >= kInt8Activations ? linear.q8(x, w, fmt - kInt8Activations)
+                                       : linear.f32(x, w, fmt);
     if (has_bias) y += bias;
     return y;
   }
@@ -1093,13 +1103,15 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                                           torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens,
                                           int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                          int64_t linear_address) {
+                                          int64_t linear_address, int64_t linear_q8_address,
+                                          int64_t linear_q16_address) {
   const size_t layers = weights.size() / kLayerWeights;
   TORCH_CHECK(weights.size() == kLayerWeights * layers && formats.size() == 4 * layers &&
               caches.size() == 2 * layers && kv_scales.size() == 2 * layers,
               "decoder_layers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layers: hidden must be contiguous [tokens, hidden]");
-  auto linear = reinterpret_cast<LinearFn>(linear_address);
+  const Linears linear{reinterpret_cast<LinearFn>(linear_address), reinterpret_cast<LinearFn>(linear_q8_address),
+                       reinterpret_cast<LinearFn>(linear_q16_address)};
   const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
   torch::Tensor x, res = residual.has_value() ? *residual : torch::Tensor();
   for (size_t l = 0; l < layers; ++l) {

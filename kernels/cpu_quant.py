@@ -20,9 +20,14 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            reuse from cache (an LM head); otherwise (and for bf16 without brgemm)
                            the whole weight dequantized to the activations' dtype, then F.linear
                            (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
-linear_q8 (activations quantized to int8 per block, integer dot products on AVX-512 VNNI or AVX2, as
-llama.cpp does; the 32-weight formats only) is built and tested but not chosen: see
-benchmarks/quant/README.md.
+Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
+file's 32-weight formats), the register kernel's rows take integer dot products instead:
+  "int16"  linear_q16: each 32-block of a row scaled to int16 (amax / 32767), vpmaddwd against the
+           weights widened to int16 (AVX2 builds): on the AVX2 machine at batch 1 1.3x linear_f32 on
+           Q4_1 rows, 1.07x on Q8_0, and a relative error ~2e-5 (int8's is ~5e-3);
+  "int8"   linear_q8: llama.cpp's scheme (amax / 127, vpmaddubsw or AVX-512 VNNI), 1.45x on Q4_1,
+           none on Q8_0; the default model's perplexity moves 0.5-1% (benchmarks/quant/README.md).
+Each row is quantized on its own, so a row's output does not depend on how many rows share the call.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class KernelFormat(NamedTuple):
 FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4_1": KernelFormat(2, 32, 20),
            "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210)}
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # the formats linear_q8 reads
+# The formats where each kind of quantized activations pays at the register kernel's rows (measured:
+# int8 gains nothing on Q8_0, whose weights are cheap to widen).
+ACTIVATION_FORMATS = {"int8": ("Q4_0", "Q4_1"), "int16": Q8_FORMATS}
 # Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
 DEQUANT_GEMM_ROWS = 16
 # Up to this many rows the tiled kernel beats dequantizing the whole weight first, for every layer
@@ -73,10 +81,20 @@ def dequantize(blocks: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float3
     return w if w.dtype == dtype else w.to(dtype)
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize(blocks)^T (+ bias) -> [..., N] in x.dtype."""
+def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None = None,
+           activations: str | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(blocks)^T (+ bias) -> [..., N] in x.dtype. activations "int16" or
+    "int8": at the register kernel's rows, x quantized so per block (the caller checked
+    takes_activations)."""
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
+    if activations is not None and x.dtype in (torch.float32, torch.bfloat16) and \
+            register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
+        kernel = load_quant().linear_q16 if activations == "int16" else load_quant().linear_q8
+        y = kernel(rows.contiguous(), blocks, kernel_id)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], blocks.shape[0])
     if not register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
         if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
             tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled
@@ -123,11 +141,26 @@ _brgemm: list[bool] = []
 
 
 def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """llama.cpp's scheme: x quantized to int8 per 32-block, integer dot products (VNNI); float32
-    [M, N]. Not on the engine's path (see the module docstring); kept for measurement."""
+    """llama.cpp's scheme at any number of rows: x quantized to int8 per 32-block, integer dot
+    products; float32 [M, N]."""
     if fmt not in Q8_FORMATS:
         raise ValueError(f"linear_q8 reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
     return load_quant().linear_q8(x.float().contiguous(), blocks, _check(blocks, fmt))
+
+
+def linear_q16(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """linear_q8 with int16 activations (amax / 32767 a block; AVX2 builds); float32 [M, N]."""
+    if fmt not in Q8_FORMATS:
+        raise ValueError(f"linear_q16 reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
+    return load_quant().linear_q16(x.float().contiguous(), blocks, _check(blocks, fmt))
+
+
+def takes_activations(fmt: str, activations: str) -> bool:
+    """Whether linear(..., activations=...) pays for `fmt` here: a format where it is faster, on a
+    build and CPU with those integer dot products."""
+    if fmt not in ACTIVATION_FORMATS.get(activations, ()):
+        return False
+    return bool(load_quant().has_int16_dots() if activations == "int16" else load_quant().has_int8_dots())
 
 
 def has_vnni() -> bool:

@@ -9,6 +9,11 @@ for every token after the window's first. Perplexity = exp(-(sum of those) / the
 python benchmarks/quant/perplexity.py [--model FOLDER] [--configs none,int8,int4:128,int4:32] \
     [--dtype float32] --out benchmarks/quant/perplexity-default.json
 (default model: the embedded SmolLM2-135M-Instruct, its float32 safetensors folder)
+
+Configs `gguf-float`, `gguf-int16` and `gguf-int8` read the embedded model's own GGUF file (its
+blocks as stored) instead of the folder, with that EngineConfig.cpu_gguf_activations, scored in
+16-token chunks so that every row takes the small-step kernels a decode step takes (float: the
+folder's numbers to summation order).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import time
 
 from engine import LLM, SamplingParams
-from engine.default_model import default_model_path
+from engine.default_model import default_gguf_path, default_model_path
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "perplexity_text.txt")
 
@@ -29,6 +34,14 @@ def parse_config(text: str) -> tuple[str | None, int]:
     """"none" | "int8" | "int4" | "int4:32" -> (quantization, group size)."""
     method, _, group = text.partition(":")
     return (None if method == "none" else method), int(group or 128)
+
+
+def engine_source(spec: str, model: str) -> tuple[str, dict]:
+    """The model path and the engine settings of a --configs entry."""
+    if spec.startswith("gguf-"):
+        return default_gguf_path(), {"cpu_gguf_activations": spec[5:], "max_num_batched_tokens": 16}
+    quantization, group = parse_config(spec)
+    return model, {"quantization": quantization, "quantization_group_size": group}
 
 
 def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:
@@ -57,11 +70,12 @@ def main() -> None:
         text = f.read()
     rows = []
     for spec in args.configs.split(","):
-        quantization, group = parse_config(spec)
+        path, settings = engine_source(spec, model)
+        quantization, group = settings.get("quantization"), settings.get("quantization_group_size")
         start = time.perf_counter()
         try:
-            llm = LLM(model, dtype=args.dtype, quantization=quantization, quantization_group_size=group,
-                      max_model_len=args.window + 1, num_kv_blocks=4 * args.window // 16 + 16, seed=0)
+            llm = LLM(path, dtype=args.dtype, max_model_len=args.window + 1, num_kv_blocks=4 * args.window // 16 + 16,
+                      seed=0, **settings)
         except ValueError as e:  # e.g. a group size that does not divide the model's inputs: recorded
             rows.append({"config": spec, "refused": str(e)})
             print(f"{spec:10s} refused: {e}", flush=True)
@@ -75,8 +89,8 @@ def main() -> None:
             ppl, count = perplexity(llm, ids, args.window)
         finally:
             llm.shutdown()
-        rows.append({"config": spec, "quantization": quantization, "group_size": group if quantization == "int4"
-                     else None, "perplexity": ppl, "tokens_scored": count,
+        rows.append({"config": spec, "model": path, "quantization": quantization,
+                     "group_size": group if quantization == "int4" else None, "perplexity": ppl, "tokens_scored": count,
                      "formats": sorted({m.quant_format.name for m in layers}),
                      "seconds": round(time.perf_counter() - start, 1)})
         first = next(r for r in rows if "perplexity" in r)

@@ -58,6 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice, gathered so every rank sees the full row."""
 
     packed_weight = None  # set by engine.layers.linear.pack_weights
+    activations: str | None = None  # "int16" / "int8": the cpu backend quantizes them (the runner sets it)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Use the embedding's matrix (as it is held: float, or blocks) as this head's weight."""
@@ -67,7 +68,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         backend = get_forward_context().backend
         if self.quant_format is not None:
-            local = self.quant_format.linear(hidden, self.weight, None, backend.name)
+            local = self.quant_format.linear(hidden, self.weight, None, backend.name, self.activations)
         else:
             local = backend.linear(hidden, self.weight, None, self.packed_weight)
         logits = tp_all_gather_last_dim(local)

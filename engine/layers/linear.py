@@ -101,6 +101,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 class _Linear(nn.Module):
     packed_weight = None  # set by pack_weights
     quant_format: BlockFormat | None = None  # set by quantize_weight
+    activations: str | None = None  # "int16" / "int8": the cpu backend quantizes them (the runner sets it)
 
     def quantize_weight(self, fmt: BlockFormat) -> None:
         """Hold the weight as `fmt`'s raw blocks from now on (before the checkpoint loads)."""
@@ -115,7 +116,7 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         backend = get_forward_context().backend
         if self.quant_format is not None:
-            return self.quant_format.linear(x, self.weight, bias, backend.name)
+            return self.quant_format.linear(x, self.weight, bias, backend.name, self.activations)
         return backend.linear(x, self.weight, bias, self.packed_weight)
 
 

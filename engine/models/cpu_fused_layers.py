@@ -27,8 +27,10 @@ from engine.layers.context import get_forward_context
 from engine.models.llama import MLP, DecoderLayer
 from kernels.reference import is_fp8
 
-# kernels/cpu_ops.cpp's codes for a float weight, beside the block formats' kernel ids (>= 0).
+# kernels/cpu_ops.cpp's codes for a float weight, beside the block formats' kernel ids (>= 0), and
+# what a block format's id gains when the module quantizes its activations (linear_q8 / linear_q16).
 PLAIN_WEIGHT, PACKED_WEIGHT = -1, -2
+ACTIVATION_CODES = {None: 0, "int8": 256, "int16": 512}
 
 
 def unsupported(model) -> str | None:
@@ -135,7 +137,7 @@ class CpuFusedLayers:
         out = cpu_build.load().decoder_layers(
             hidden.contiguous(), None if residual is None else residual.contiguous(), self._weights, self._formats,
             self._caches, self._scales, cos, sin, meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, _linear_address())
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, *_linear_addresses())
         self.steps += 1
         return out[0], out[1]
 
@@ -151,12 +153,14 @@ def _format(linear) -> int:
     from kernels import cpu_quant
 
     if linear.quant_format is not None:
-        return cpu_quant.FORMATS[linear.quant_format.name].id
+        return cpu_quant.FORMATS[linear.quant_format.name].id + ACTIVATION_CODES[linear.activations]
     return PLAIN_WEIGHT if linear.packed_weight is None else PACKED_WEIGHT
 
 
 @functools.cache
-def _linear_address() -> int:
+def _linear_addresses() -> tuple[int, int, int]:
+    """linear_f32's, linear_q8's and linear_q16's, which decoder_layers calls as the modules do."""
     from kernels import cpu_build
 
-    return cpu_build.load_quant().linear_f32_address()
+    quant = cpu_build.load_quant()
+    return quant.linear_f32_address(), quant.linear_q8_address(), quant.linear_q16_address()

@@ -109,12 +109,14 @@ class BlockFormat:
         n = blocks.shape[0]
         return self._dequantize(blocks.reshape(n, -1, self.block_bytes)).reshape(n, -1)
 
-    def linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-        """x @ dequantize(blocks)^T + bias in x.dtype: the cpu backend's C++ kernels, the triton
-        backend's kernel (kernels/triton_quant.py, on CUDA or under the interpreter), else the
-        reference (dequantize each call, then F.linear: correct anywhere, not fast)."""
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, backend: str,
+               activations: str | None = None) -> torch.Tensor:
+        """x @ dequantize(blocks)^T + bias in x.dtype: the cpu backend's C++ kernels (activations
+        "int16" / "int8": x quantized so per block at small steps, kernels/cpu_quant.py), the
+        triton backend's kernel (kernels/triton_quant.py, on CUDA or under the interpreter), else
+        the reference (dequantize each call, then F.linear: correct anywhere, not fast)."""
         if backend == "cpu" and _cpu_kernels() is not None:
-            return _cpu_kernels().linear(x, blocks, self.name, bias)
+            return _cpu_kernels().linear(x, blocks, self.name, bias, activations)
         if backend == "triton" and _triton_kernels().supports(self.name, x):
             return _triton_kernels().quant_linear(x, blocks, self.name, bias)
         return reference_linear(x, blocks, self, bias)

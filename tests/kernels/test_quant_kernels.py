@@ -188,17 +188,30 @@ def test_cpu_linear_takes_leading_dims():
         torch.testing.assert_close(cpu_quant.linear(x, blocks, fmt), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind, levels", [("int8", 127), ("int16", 32767)])
 @pytest.mark.parametrize("fmt", cpu_quant.Q8_FORMATS)
-def test_q8_activation_kernel_within_int8_rounding(fmt):
-    """linear_q8 (int8 activations per block, integer dots) is off by the activations' rounding
-    only: at most half a quantization step (block amax / 127 / 2) per activation."""
+def test_integer_activation_kernels_within_their_rounding(fmt, kind, levels):
+    """linear_q8 / linear_q16 (activations scaled to int8 / int16 per block, integer dots) are off
+    from the float64 product by the activations' rounding only: at most half a quantization step
+    (block amax / levels / 2) per activation; 1 to 5 rows, each quantized on its own."""
     _cpu_kernels_or_skip()
-    blocks, w = _weight(fmt, 33, 128)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
-    step = x.reshape(5, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, 128) / 127
+    if not cpu_quant.takes_activations("Q4_1", kind) and kind == "int16":
+        pytest.skip("linear_q16 is built for AVX2 only")
+    kernel = cpu_quant.linear_q16 if kind == "int16" else cpu_quant.linear_q8
+    blocks, w = _weight(fmt, 33, 160)
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(5))
+    step = x.reshape(5, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, 160) / levels
     bound = (step.double() / 2 + 1e-6 * x.abs().double()) @ w.abs().double().T + 1e-5
-    got = cpu_quant.linear_q8(x, blocks, fmt)
-    assert ((got.double() - x.double() @ w.double().T).abs() <= bound).all()
+    exact = x.double() @ w.double().T
+    got = kernel(x, blocks, fmt)
+    assert ((got.double() - exact).abs() <= bound).all()
+    for m in (1, 3):  # fewer rows: the same numbers row by row
+        torch.testing.assert_close(kernel(x[:m], blocks, fmt), got[:m], rtol=0, atol=0)
+    # and what the engine calls at the register kernel's rows (bfloat16 activations too)
+    torch.testing.assert_close(cpu_quant.linear(x, blocks, fmt, activations=kind), got, rtol=0, atol=0)
+    got16 = cpu_quant.linear(x.bfloat16(), blocks, fmt, activations=kind)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16, kernel(x.bfloat16().float(), blocks, fmt).bfloat16(), rtol=0, atol=0)
 
 
 def test_cpu_linear_rejects_a_misshapen_weight():
@@ -257,8 +270,10 @@ for fmt in t.FORMAT_NAMES:
         x = torch.randn(m, w.shape[1])
         err = (cpu_quant.linear(x, blocks, fmt).double() - x.double() @ w.double().T).abs()
         assert (err <= t._tolerance(x, w, 1e-5)).all(), (fmt, m)
-    if fmt in cpu_quant.Q8_FORMATS:  # int8 activations: the scalar and AVX2 dot products
-        t.test_q8_activation_kernel_within_int8_rounding(fmt)
+    if fmt in cpu_quant.Q8_FORMATS:  # integer activations: the scalar and AVX2 dot products
+        t.test_integer_activation_kernels_within_their_rounding(fmt, "int8", 127)
+        if sys.argv[1] == "AVX2":
+            t.test_integer_activation_kernels_within_their_rounding(fmt, "int16", 32767)
 print("portable ok")
 """
 
