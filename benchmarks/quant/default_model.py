@@ -4,7 +4,10 @@ folder holds exactly gguf.quants.dequantize's values, what the dequantizing path
 
   agreement   greedy tokens over a fixed prompt set (20 prompts x 100 tokens = 2,000 positions):
               each position's greedy choice given the reference's own prefix (teacher forcing,
-              through prompt_logprobs), and free-running streams to their first difference.
+              through prompt_logprobs), and free-running streams to their first difference. The
+              native float32 engine runs with each --cpu-gguf-activations kind; the integer kinds
+              score in 16-token chunks, so every position takes the small-step kernels a decode
+              step takes.
   speed       single-sequence decode: TPOT = (E2E - TTFT) / (output_len - 1), native and
               dequantized bf16 alternating in one process, best and median of --repeats.
 
@@ -74,13 +77,19 @@ def free_running(a: list[list[int]], b: list[list[int]]) -> int:
 def agreement() -> dict:
     gguf, folder = default_gguf_path(), default_model_path()
     runs = {}
-    for name, path, dtype in (("dequant_f32", folder, "float32"), ("native_f32", gguf, "float32"),
-                              ("dequant_bf16", folder, "bfloat16"), ("native_bf16", gguf, "bfloat16")):
-        llm = LLM(path, dtype=dtype, **ENGINE)
+    chunked = {"max_num_batched_tokens": 16}
+    for name, path, dtype, settings in (
+            ("dequant_f32", folder, "float32", {}), ("native_f32", gguf, "float32", {"cpu_gguf_activations": "float"}),
+            ("native_f32_int16", gguf, "float32", {"cpu_gguf_activations": "int16", **chunked}),
+            ("native_f32_int8", gguf, "float32", {"cpu_gguf_activations": "int8", **chunked}),
+            ("dequant_bf16", folder, "bfloat16", {}),
+            ("native_bf16", gguf, "bfloat16", {"cpu_gguf_activations": "float"})):
+        llm = LLM(path, dtype=dtype, **ENGINE, **settings)
         prompts = chat_ids(llm)
         runs[name] = (llm, greedy(llm, prompts))
     report = {"positions": len(PROMPTS) * OUTPUT_LEN}
-    for model, ref in (("native_f32", "dequant_f32"), ("native_bf16", "dequant_bf16"),
+    for model, ref in (("native_f32", "dequant_f32"), ("native_f32_int16", "dequant_f32"),
+                       ("native_f32_int8", "dequant_f32"), ("native_bf16", "dequant_bf16"),
                        ("native_bf16", "dequant_f32"), ("dequant_bf16", "dequant_f32")):
         same, total = forced(runs[model][0], prompts, runs[ref][1])
         report[f"{model}_vs_{ref}"] = {"forced_agree": same / total,
