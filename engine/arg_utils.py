@@ -11,8 +11,8 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_WEIGHTS, KV_CACHE_DTYPES, QUANTIZATION_GROUP_SIZES,
-                           QUANTIZATIONS, EngineConfig, canonical_dtype)
+from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_ACTIVATIONS, GGUF_WEIGHTS, KV_CACHE_DTYPES,
+                           QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, EngineConfig, canonical_dtype)
 
 # vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
 ALIASES = {
@@ -26,7 +26,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
             "attention_backend": ATTENTION_BACKENDS, "gguf_weights": GGUF_WEIGHTS, "quantization": QUANTIZATIONS,
-            "quantization_group_size": QUANTIZATION_GROUP_SIZES}
+            "quantization_group_size": QUANTIZATION_GROUP_SIZES, "cpu_gguf_activations": GGUF_ACTIVATIONS}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
           "tib": 1 << 40, "tb": 10**12}
 

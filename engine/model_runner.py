@@ -22,6 +22,7 @@ from engine.host_memory import keep_freed_memory
 from engine.layers.context import AttentionMetadata, forward_context
 from engine.layers.linear import pack_weights
 from engine.models import cpu_fused_layers
+from engine.quant import activations
 from engine.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
 from engine.loader import ModelSource
@@ -189,29 +190,10 @@ class ModelRunner:
             self._capture_graphs()
 
     def _quantized_activations(self, source) -> None:
-        """cpu backend, a .gguf file: the matmuls on its 32-weight blocks take int16 (or int8)
-        activations at small steps (EngineConfig.cpu_gguf_activations) where this build has those
-        integer dot products; said in the log either way."""
-        kind = self.config.cpu_gguf_activations
-        if kind == "float" or self.backend.name != "cpu" or not source.is_gguf:
-            return
-        from kernels import cpu_build, cpu_quant
-
-        if cpu_build.available() is not None:
-            return  # no C++ kernels: the reference multiplies every format
-        matmuls = [m for m in self.model.modules() if hasattr(m, "activations") and m.quant_format is not None]
-        taken = sorted({m.quant_format.name for m in matmuls if cpu_quant.takes_activations(m.quant_format.name, kind)})
-        for m in matmuls:
-            if m.quant_format.name in taken:
-                m.activations = kind
-        left = sorted({m.quant_format.name for m in matmuls} - set(taken))
-        if taken:
-            logger.info("%s activations for the %s matmuls of steps up to %d tokens (cpu_gguf_activations)%s",
-                        kind, "/".join(taken), cpu_quant.DEQUANT_GEMM_ROWS,
-                        f"; float for {'/'.join(left)}" if left else "")
-        elif left:
-            logger.info("float activations for the %s matmuls: no %s kernel for them on this build "
-                        "(cpu_gguf_activations)", "/".join(left), kind)
+        """cpu backend, a .gguf file: its block matmuls take int16 (or int8) activations at small
+        steps where that pays (EngineConfig.cpu_gguf_activations; engine/quant/activations.py)."""
+        if self.config.cpu_gguf_activations != "float" and self.backend.name == "cpu" and source.is_gguf:
+            activations.mark(self.model, self.config.cpu_gguf_activations)
 
     def _fuse_cpu_layers(self) -> None:
         """cpu backend: small steps through every decoder layer in one C++ call where that is the

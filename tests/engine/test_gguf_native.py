@@ -263,3 +263,30 @@ def test_engine_knob_reaches_the_loader(tmp_path, tiny):
         assert (layer.mlp.down_proj.quant_format is not None) == native
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
         LLM(str(path), tokenizer=folder, device="cpu", gguf_weights="int4")
+
+
+@pytest.mark.parametrize("kind", ["int16", "int8", "float"])
+def test_each_activation_kind_marks_the_matmuls_it_pays_for(tmp_path, tiny, caplog, kind):
+    """cpu_gguf_activations marks the block matmuls (linear layers and LM head, not the embedding
+    lookup) whose format has that kind's kernel on this build, says so in the log, and the fused
+    layers hand C++ the same kernel."""
+    from engine import LLM
+    from engine.models.cpu_fused_layers import ACTIVATION_CODES, _format
+
+    folder = tiny("qwen2")  # tied: the LM head is the embedding's Q8_0 blocks
+    path = tmp_path / "mix.gguf"
+    write_gguf(path, folder, "qwen2", "Q4_1", override={"token_embd.weight": "Q8_0"})
+    with caplog.at_level(logging.INFO, logger="engine.quant.activations"):
+        llm = LLM(str(path), tokenizer=folder, device="cpu", num_kv_blocks=32, max_model_len=128,
+                  cpu_gguf_activations=kind)
+    model = llm.engine.runner.model
+    want = {f: kind if kind != "float" and cpu_quant.takes_activations(f, kind) else None for f in ("Q4_1", "Q8_0")}
+    layer = model.model.layers["0"]
+    for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, model.lm_head):
+        assert m.activations == want[m.quant_format.name], (m, m.quant_format.name)
+        if m is not model.lm_head:
+            assert _format(m) == cpu_quant.FORMATS[m.quant_format.name].id + ACTIVATION_CODES[m.activations]
+    assert not hasattr(model.model.embed_tokens, "activations")
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert (f"{kind} activations for the" in said) == any(want.values())
+    llm.shutdown()
