@@ -520,27 +520,34 @@ void check_weight(const at::Tensor& w, int64_t fmt, int64_t K) {
 
 constexpr int64_t kBlock = 32;
 
-// Activation rows as int8 blocks of 32 with a float scale each (llama.cpp's block_q8_1 without the
-// fp16 rounding of its two floats): per block, d and d * sum(q) side by side, so one 8-byte load and
-// one multiply by the weight block's own [d, m] give both of a block's scales. The second is what
-// the min of a Q4_1 block and the -8 offset of a Q4_0 block multiply. It is the sum of the rounded
-// values, not of x: then the rounding error meets the centred weights q d + m (|q - 8| <= 8), not
-// the nibbles alone (0..15); with sum(x) the default model's perplexity moved 1.5-2x as much.
-struct Q8Rows {
-  std::vector<int8_t> q;   // [M, K]
+// Activation rows as integer blocks of 32 with a float scale each: int8 (amax / 127, llama.cpp's
+// block_q8_1 without the fp16 rounding of its two floats) or int16 (amax / 32767: the integer dots'
+// speed without int8's rounding; see linear_q16). Per block, d and d * sum(q) side by side, so one
+// 8-byte load and one multiply by the weight block's own [d, m] give both of a block's scales. The
+// second is what the min of a Q4_1 block and the -8 offset of a Q4_0 block multiply. It is the sum
+// of the rounded values, not of x: then the rounding error meets the centred weights q d + m
+// (|q - 8| <= 8), not the nibbles alone (0..15); with sum(x) the default model's perplexity moved
+// 1.5-2x as much under int8.
+template <typename I>
+struct QRows {
+  std::vector<I> q;        // [M, K]
   std::vector<float> ds;   // [M, K / 32, 2]: d, d * sum(q)
 };
+using Q8Rows = QRows<int8_t>;
+using Q16Rows = QRows<int16_t>;
 
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+template <typename I>
+QRows<I> quantize_rows(const float* x, int64_t M, int64_t K) {
+  constexpr float kLevels = std::is_same_v<I, int8_t> ? 127.0f : 32767.0f;
   const int64_t nb = K / kBlock;
-  Q8Rows a{std::vector<int8_t>(M * K), std::vector<float>(2 * M * nb)};
+  QRows<I> a{std::vector<I>(M * K), std::vector<float>(2 * M * nb)};
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* xb = x + i * kBlock;
-      int8_t* qb = a.q.data() + i * kBlock;
+      I* qb = a.q.data() + i * kBlock;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
       // The scalar loop below, 8 lanes at a time: cvtps rounds to nearest even as nearbyint does
-      // under the default rounding mode, so both give the same bytes.
+      // under the default rounding mode, so both give the same values.
       const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 v[4], amax = _mm256_setzero_ps();
       for (int k = 0; k < 4; ++k) {
@@ -549,29 +556,34 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       }
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float d = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))) / 127.0f;
+      const float d = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))) / kLevels;
       const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
       __m256i q[4];
       for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-      // Sum before packing, then 32 int32 to 32 int8 in order (|q| <= 127: nothing saturates;
-      // packs work within 128-bit lanes, and the permute puts the lanes back in order).
       __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
       const int sum = _mm_cvtsi128_si32(s4);
-      const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
-                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p8);
+      // Pack 32 int32 to I in order (|q| <= kLevels: nothing saturates). packs works within 128-bit
+      // lanes; the permutes put the lanes back in order.
+      const __m256i p0 = _mm256_packs_epi32(q[0], q[1]), p1 = _mm256_packs_epi32(q[2], q[3]);
+      if constexpr (std::is_same_v<I, int8_t>) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                            _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p0, p1),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permute4x64_epi64(p0, 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm256_permute4x64_epi64(p1, 0xD8));
+      }
 #else
       float amax = 0.0f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+      const float d = amax / kLevels, inv = d != 0.0f ? 1.0f / d : 0.0f;
       int sum = 0;
       for (int j = 0; j < 32; ++j) {
         const int q = static_cast<int>(std::nearbyint(xb[j] * inv));
-        qb[j] = static_cast<int8_t>(q);
+        qb[j] = static_cast<I>(q);
         sum += q;
       }
 #endif
@@ -626,15 +638,18 @@ PAGEWISE_VNNI inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows
 
 bool has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 #elif defined(CPU_CAPABILITY_AVX2)
-// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned weight bytes by signed activation bytes into
-// 16-bit pair sums (at most 2 x 15 x 127, or 2 x 127 x 127 for Q8_0's |q|: no saturation), and
-// vpmaddwd by ones widens them to 8 int32 lanes, as llama.cpp's AVX2 dot products do. A block's two
-// fp16 numbers (Q4_1's d and m) convert in one vcvtph2ps, and one multiply by the activation
-// block's [d, d * sum(q)] gives the dot's scale (lane 0) and the min term (lane 1), which a vector
-// accumulates: no scalar fp16 conversion or scalar FMA chain per block (1.3-1.4x on Q4_1 rows).
-template <int64_t F, int R>
-inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m, int64_t K, float* out) {
+// AVX2 has no vpdpbusd: for int8 activations vpmaddubsw multiplies unsigned weight bytes by signed
+// activation bytes into 16-bit pair sums (at most 2 x 15 x 127, or 2 x 127 x 127 for Q8_0's |q|: no
+// saturation), and vpmaddwd by ones widens them to 8 int32 lanes, as llama.cpp's AVX2 dot products
+// do; for int16 activations (linear_q16) the weights are widened to int16 and vpmaddwd multiplies
+// directly. A block's two fp16 numbers (Q4_1's d and m) convert in one vcvtph2ps, and one multiply
+// by the activation block's [d, d * sum(q)] gives the dot's scale (lane 0) and the min term (lane
+// 1), which a vector accumulates: no scalar fp16 conversion or scalar FMA chain per block (Q4_1
+// rows ~1.3x the per-block scalar version, one measurement).
+template <int64_t F, int R, typename I>
+inline void dot_rows_q8(const uint8_t* w, int64_t nb, const QRows<I>& a, int64_t m, int64_t K, float* out) {
   constexpr int64_t bb = kBlockBytes[F];
+  constexpr bool int8 = std::is_same_v<I, int8_t>;
   __m256 acc[R];
   __m128 offset[R];  // lane 1: sum over blocks of m_w * d_x * sum(q_x) (Q4_1; m_w = -8 d_w for Q4_0)
   for (int r = 0; r < R; ++r) {
@@ -643,6 +658,7 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m
   }
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128 q4_0_offset = _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
   const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (R <= 2) {  // as dot_rows: the hardware prefetchers alone do not keep up
@@ -661,18 +677,34 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m
       dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
       if constexpr (F == kQ4_0) dm = _mm_mul_ps(_mm_moveldup_ps(dm), q4_0_offset);
     }
-    __m256i wq, wsign = _mm256_setzero_si256();
-    if constexpr (F == kQ8_0) {
+    // int8: wq the weights as bytes (Q8_0: |q|, its sign moved onto the activations by wsign);
+    // int16: w0, w1 weights 0-15 and 16-31 as int16.
+    __m256i wq, wsign, w0, w1;
+    if constexpr (int8 && F == kQ8_0) {
       wsign = _mm256_loadu_si256((const __m256i*)(wb + 2));
-      wq = _mm256_sign_epi8(wsign, wsign);  // |q|; q's sign moves onto the activations
-    } else {
+      wq = _mm256_sign_epi8(wsign, wsign);
+    } else if constexpr (int8) {
       wq = q4_bytes(wb + (F == kQ4_1 ? 4 : 2));
+    } else if constexpr (F == kQ8_0) {
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 2)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 18)));
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + (F == kQ4_1 ? 4 : 2)));
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m + r) * nb + b;
-      __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q.data() + (m + r) * K + b * kBlock));
-      if constexpr (F == kQ8_0) xq = _mm256_sign_epi8(xq, wsign);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+      const I* xb = a.q.data() + (m + r) * K + b * kBlock;
+      __m256i dot;
+      if constexpr (int8) {
+        __m256i xq = _mm256_loadu_si256((const __m256i*)xb);
+        if constexpr (F == kQ8_0) xq = _mm256_sign_epi8(xq, wsign);
+        dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+      } else {
+        dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xb)),
+                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xb + 16))));
+      }
       const __m128 scales = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.ds.data() + 2 * i))));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcastss_ps(scales), acc[r]);
       if constexpr (F != kQ8_0) offset[r] = _mm_add_ps(offset[r], scales);
@@ -701,102 +733,6 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t m
 }
 
 bool has_vnni() { return false; }
-#endif
-
-// ---- int16 activations (AVX2 builds): the integer dots' speed without int8's rounding ----------------
-//
-// int8 activations (amax / 127 a block) moved the default model's perplexity 0.5-1%; at amax / 32767
-// the rounding is 256x finer, below float32 summation noise for these sums' purposes, and vpmaddwd
-// multiplies 16 int16 pairs a cycle: nibbles widened to int16 (two vpmovzxbw), two vpmaddwd a block.
-struct Q16Rows {
-  std::vector<int16_t> q;  // [M, K]
-  std::vector<float> ds;   // [M, K / 32, 2]: d, d * sum(q)
-};
-
-#if defined(CPU_CAPABILITY_AVX2)
-Q16Rows quantize_rows16(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  Q16Rows a{std::vector<int16_t>(M * K), std::vector<float>(2 * M * nb)};
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xb = x + i * kBlock;
-      int16_t* qb = a.q.data() + i * kBlock;
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      __m256 v[4], amax = _mm256_setzero_ps();
-      for (int k = 0; k < 4; ++k) {
-        v[k] = _mm256_loadu_ps(xb + 8 * k);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float d = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))) / 32767.0f;
-      const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-      __m256i q[4];
-      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-      __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      for (int k = 0; k < 2; ++k)  // packs works within 128-bit lanes: 0x D8 puts the quarters in order
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16 * k),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * k], q[2 * k + 1]), 0xD8));
-      a.ds[2 * i] = d;
-      a.ds[2 * i + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
-    }
-  });
-  return a;
-}
-
-template <int64_t F, int R>
-inline void dot_rows_q8(const uint8_t* w, int64_t nb, const Q16Rows& a, int64_t m, int64_t K, float* out) {
-  constexpr int64_t bb = kBlockBytes[F];
-  __m256 acc[R];
-  __m128 offset[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    offset[r] = _mm_setzero_ps();
-  }
-  const __m128 q4_0_offset = _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (R <= 2) {  // as dot_rows: the hardware prefetchers alone do not keep up
-      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
-      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
-    }
-    const uint8_t* wb = w + b * bb;
-    __m128 dm;
-    if constexpr (F == kQ4_1) {
-      uint32_t bits;
-      std::memcpy(&bits, wb, 4);
-      dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
-    } else {
-      uint16_t bits;
-      std::memcpy(&bits, wb, 2);
-      dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-      if constexpr (F == kQ4_0) dm = _mm_mul_ps(_mm_moveldup_ps(dm), q4_0_offset);
-    }
-    __m256i w0, w1;  // weights 0-15 and 16-31 as int16
-    if constexpr (F == kQ8_0) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 2)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 18)));
-    } else {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + (F == kQ4_1 ? 4 : 2)));
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (m + r) * nb + b;
-      const int16_t* xq = a.q.data() + (m + r) * K + b * kBlock;
-      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xq)),
-                                           _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 16))));
-      const __m128 scales = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.ds.data() + 2 * i))));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcastss_ps(scales), acc[r]);
-      if constexpr (F != kQ8_0) offset[r] = _mm_add_ps(offset[r], scales);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(offset[r]));
-}
 #endif
 
 template <int64_t F, typename Rows>
@@ -1046,21 +982,20 @@ bool has_int8_dots() {
 #endif
 }
 
-// x [M, K] float32 or bfloat16 -> y [M, N] in x's dtype; each row of x quantized on its own, so a
-// row's result does not depend on the rows beside it (a decode step and a 16-token chunk agree).
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+// x [M, K] float32 or bfloat16 -> y [M, N] in x's dtype, x's rows quantized to I per block; each row
+// on its own, so a row's result does not depend on the rows beside it (a decode step and a 16-token
+// chunk agree).
+template <typename I>
+at::Tensor linear_int(const at::Tensor& x, const at::Tensor& w, int64_t fmt, const char* name) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
-  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "linear_q8 reads Q8_0, Q4_0 and Q4_1 blocks only");
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, name, " reads Q8_0, Q4_0 and Q4_1 blocks only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, fmt, K);
-#if defined(CPU_CAPABILITY_AVX512)
-  TORCH_CHECK(has_vnni(), "linear_q8 needs AVX-512 VNNI, which this CPU lacks");
-#endif
   const at::Tensor xf = bf16 ? x.to(at::kFloat) : x;
   auto y = at::empty({M, N}, xf.options());
-  const Q8Rows a = quantize_rows(xf.data_ptr<float>(), M, K);
+  const QRows<I> a = quantize_rows<I>(xf.data_ptr<float>(), M, K);
   by_format(fmt, [&](auto F) {
     if constexpr (kBlockWeights[decltype(F)::value] == kBlock) {
       linear_q8_impl<decltype(F)::value>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
@@ -1069,24 +1004,17 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   return bf16 ? y.to(at::kBFloat16) : y;
 }
 
-// As linear_q8 with int16 activations (AVX2 builds only).
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+#if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(has_vnni(), "linear_q8 needs AVX-512 VNNI, which this CPU lacks");
+#endif
+  return linear_int<int8_t>(x, w, fmt, "linear_q8");
+}
+
+// int16 activations: the kernel is written for AVX2 builds only.
 at::Tensor linear_q16(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
 #if defined(CPU_CAPABILITY_AVX2)
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous float32 or bfloat16 [M, K]");
-  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "linear_q16 reads Q8_0, Q4_0 and Q4_1 blocks only");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_weight(w, fmt, K);
-  const at::Tensor xf = bf16 ? x.to(at::kFloat) : x;
-  auto y = at::empty({M, N}, xf.options());
-  const Q16Rows a = quantize_rows16(xf.data_ptr<float>(), M, K);
-  by_format(fmt, [&](auto F) {
-    if constexpr (kBlockWeights[decltype(F)::value] == kBlock) {
-      linear_q8_impl<decltype(F)::value>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
-    }
-  });
-  return bf16 ? y.to(at::kBFloat16) : y;
+  return linear_int<int16_t>(x, w, fmt, "linear_q16");
 #else
   TORCH_CHECK(false, "linear_q16 is built for AVX2 only");
 #endif

@@ -23,10 +23,12 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
 Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
 file's 32-weight formats), the register kernel's rows take integer dot products instead:
   "int16"  linear_q16: each 32-block of a row scaled to int16 (amax / 32767), vpmaddwd against the
-           weights widened to int16 (AVX2 builds): on the AVX2 machine at batch 1 1.3x linear_f32 on
-           Q4_1 rows, 1.07x on Q8_0, and a relative error ~2e-5 (int8's is ~5e-3);
-  "int8"   linear_q8: llama.cpp's scheme (amax / 127, vpmaddubsw or AVX-512 VNNI), 1.45x on Q4_1,
-           none on Q8_0; the default model's perplexity moves 0.5-1% (benchmarks/quant/README.md).
+           weights widened to int16 (AVX2 builds): on the AVX2 machine at one row 1.0-1.13x
+           linear_f32 on Q4_1 weights, 1.06-1.38x on Q8_0, ~1.06x over a whole decode step, and a
+           relative error ~2e-5 (int8's ~5e-3; the default model's perplexity unchanged);
+  "int8"   linear_q8: llama.cpp's scheme (amax / 127, vpmaddubsw or AVX-512 VNNI), 1.06-1.35x on
+           Q4_1, ~1.11x a step, nothing on Q8_0; the default model's perplexity moves 0.5-1%
+           (BENCHMARKS.md, "Session 11").
 Each row is quantized on its own, so a row's output does not depend on how many rows share the call.
 """
 
@@ -88,14 +90,14 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     takes_activations)."""
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
-    if activations is not None and x.dtype in (torch.float32, torch.bfloat16) and \
-            register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
+    small = register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16)
+    if small and activations is not None and x.dtype in (torch.float32, torch.bfloat16):
         kernel = load_quant().linear_q16 if activations == "int16" else load_quant().linear_q8
         y = kernel(rows.contiguous(), blocks, kernel_id)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], blocks.shape[0])
-    if not register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16):
+    if not small:
         if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
             tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled
             y = tiled(rows.contiguous(), blocks, kernel_id)

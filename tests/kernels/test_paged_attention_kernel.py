@@ -78,7 +78,10 @@ def test_prefixes_at_tile_boundaries(triton_ops):
 
 # Under the interpreter (CPU) each split count runs in one dtype, each dtype once: the product is
 # for the GPU, where it costs nothing.
+# 8 splits (~10 s there) runs in the slow lane only.
 SPLIT_CASES = [(n, d) for n in (2, 4, 8) for d in DTYPES] if DEVICE == "cuda" else list(zip((2, 4, 8), DTYPES))
+SPLIT_CASES = [pytest.param(n, d, marks=pytest.mark.slow) if n == 8 and DEVICE == "cpu" else (n, d)
+               for n, d in SPLIT_CASES]
 
 
 @pytest.mark.parametrize("num_splits, dtype", SPLIT_CASES)
@@ -91,6 +94,7 @@ def test_split_kv(triton_ops, num_splits, dtype):
     run(triton_ops, b, "narrow", num_splits=num_splits)
 
 
+@pytest.mark.slow  # ~20 s under the interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batch_of_prefill_chunks_and_decodes(triton_ops, dtype):
     # int64 metadata, a query that is a strided view of a fused qkv tensor, and padding rows past
