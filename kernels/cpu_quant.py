@@ -52,6 +52,8 @@ class KernelFormat(NamedTuple):
 FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4_1": KernelFormat(2, 32, 20),
            "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210)}
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # the formats linear_q8 reads
+# The C++ kernel of each kind of quantized activations.
+ACTIVATION_KERNELS = {"int8": "linear_q8", "int16": "linear_q16"}
 # The formats where each kind of quantized activations pays at the register kernel's rows (measured:
 # int8 gains nothing on Q8_0, whose weights are cheap to widen).
 ACTIVATION_FORMATS = {"int8": ("Q4_0", "Q4_1"), "int16": Q8_FORMATS}
@@ -92,8 +94,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     rows = x.reshape(-1, x.shape[-1])
     small = register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16)
     if small and activations is not None and x.dtype in (torch.float32, torch.bfloat16):
-        kernel = load_quant().linear_q16 if activations == "int16" else load_quant().linear_q8
-        y = kernel(rows.contiguous(), blocks, kernel_id)
+        y = getattr(load_quant(), ACTIVATION_KERNELS[activations])(rows.contiguous(), blocks, kernel_id)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], blocks.shape[0])
@@ -142,19 +143,21 @@ def has_brgemm_bf16() -> bool:
 _brgemm: list[bool] = []
 
 
-def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """llama.cpp's scheme at any number of rows: x quantized to int8 per 32-block, integer dot
-    products; float32 [M, N]."""
+def linear_int(x: torch.Tensor, blocks: torch.Tensor, fmt: str, activations: str) -> torch.Tensor:
+    """x quantized per 32-block to `activations` ("int8": llama.cpp's scheme; "int16": AVX2 builds),
+    then integer dot products, at any number of rows; float32 [M, N]."""
+    name = ACTIVATION_KERNELS[activations]
     if fmt not in Q8_FORMATS:
-        raise ValueError(f"linear_q8 reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
-    return load_quant().linear_q8(x.float().contiguous(), blocks, _check(blocks, fmt))
+        raise ValueError(f"{name} reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
+    return getattr(load_quant(), name)(x.float().contiguous(), blocks, _check(blocks, fmt))
+
+
+def linear_q8(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    return linear_int(x, blocks, fmt, "int8")
 
 
 def linear_q16(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """linear_q8 with int16 activations (amax / 32767 a block; AVX2 builds); float32 [M, N]."""
-    if fmt not in Q8_FORMATS:
-        raise ValueError(f"linear_q16 reads {', '.join(Q8_FORMATS)} blocks, not {fmt!r}")
-    return load_quant().linear_q16(x.float().contiguous(), blocks, _check(blocks, fmt))
+    return linear_int(x, blocks, fmt, "int16")
 
 
 def takes_activations(fmt: str, activations: str) -> bool:

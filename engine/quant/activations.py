@@ -17,14 +17,14 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def mark(model: nn.Module, kind: str) -> list[str]:
+def mark(model: nn.Module, kind: str) -> None:
     """Set `activations = kind` on each block-format matmul of `model` whose format gains from it on
-    this build and CPU (kernels/cpu_quant.takes_activations), log what was chosen and what stays
-    float, and return the formats taken."""
+    this build and CPU (kernels/cpu_quant.takes_activations), and log what was chosen and what stays
+    float."""
     from kernels import cpu_build, cpu_quant
 
     if cpu_build.available() is not None:
-        return []  # no C++ kernels: the reference multiplies every format in float
+        return  # no C++ kernels: the reference multiplies every format in float
     matmuls = [m for m in model.modules() if hasattr(m, "activations") and m.quant_format is not None]
     formats = {m.quant_format.name for m in matmuls}
     taken = sorted(f for f in formats if cpu_quant.takes_activations(f, kind))
@@ -39,4 +39,3 @@ def mark(model: nn.Module, kind: str) -> list[str]:
     elif left:
         logger.info("float activations for the %s matmuls: no %s kernel for them on this build "
                     "(cpu_gguf_activations)", "/".join(left), kind)
-    return taken
