@@ -191,9 +191,14 @@ def test_rotary_write_kv_fp8_cache(triton_ops, dtype, k_scale, v_scale):
                             k_scale=k_scale, v_scale=v_scale)
     if EXACT:
         assert same_cache(k_cache, k_want) and same_cache(v_cache, v_want)
-    else:  # a contracted multiply-add may move a rotated key by one ulp, so one e4m3 step
-        torch.testing.assert_close(k_cache.float(), k_want.float(), atol=0, rtol=0.13, equal_nan=True)
-        assert same_cache(v_cache, v_want)
+    # On a GPU a contracted multiply-add may move a 16-bit rotated key by an ulp, which the
+    # cancellation in a - b can leave many e4m3 steps wide (bfloat16's ulp at 64 is 0.25): so check
+    # the rotation against the reference within the dtype's tolerance, and the cache exactly against
+    # the keys this very kernel rotated the queries with, quantized by the reference.
+    assert_matches(qk, want_qk, dtype)
+    k_own, v_own = poisoned(shape, FP8), poisoned(shape, FP8)
+    reference.write_kv(qk[:, 4:], value, k_own, v_own, slot_mapping, k_scale, v_scale)
+    assert same_cache(k_cache, k_own) and same_cache(v_cache, v_own)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else []))
