@@ -35,15 +35,27 @@ def prev_power_of_2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int) -> TileConfig:
-    """Tiles for one launch; the whole flat batch shares them."""
+def decode_smem_bytes(block_m: int, block_n: int, head_dim_pad: int, kv_bytes: int, num_stages: int) -> int:
+    """Shared memory a decode program's pipeline holds: K and V tiles for each stage, plus the query."""
+    return num_stages * 2 * block_n * head_dim_pad * kv_bytes + block_m * head_dim_pad * 4
+
+
+def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int, kv_bytes: int = 2,
+                smem_bytes: int | None = None) -> TileConfig:
+    """Tiles for one launch; the whole flat batch shares them. kv_bytes: bytes of a cache element;
+    smem_bytes: the shared memory a program may take on this GPU (None: unknown, the interpreter)."""
     min_m = max(16, next_power_of_2(group))  # tl.dot needs M >= 16; one tile holds a whole group
     block_n = 64 if head_dim_pad <= 128 else 32
     if num_tokens < PREFILL_MIN_AVG_QUERY * max(num_seqs, 1):
         # Decode reads K/V once per query: bandwidth-bound, so the smallest tile that holds the head
         # group (no wasted tensor-core work on empty rows) and a deep pipeline of key loads. A mixed
         # batch lands here too when decodes dominate: its prefill chunks then take more, smaller
-        # programs, which re-read their context from L2 rather than from HBM.
+        # programs, which re-read their context from L2 rather than from HBM. Where shared memory
+        # holds three stages of 128 keys (an H100/H200 with a 16-bit or fp8 cache), that longer
+        # tile: an H200 sweep measured 85-92% of copy bandwidth with it at batch 16-64 x context
+        # 2k-8k against 67-79% with 64 keys (BENCHMARKS.md, session 12).
+        if smem_bytes is not None and decode_smem_bytes(min_m, 128, head_dim_pad, kv_bytes, 3) <= smem_bytes:
+            block_n = 128
         return TileConfig(min_m, block_n, 4, 3)
     if head_dim_pad <= 128:
         # FlashAttention-2 shape for Ampere/Hopper: 128x64 tiles, 8 warps, K+V stages of 32 KiB.

@@ -47,6 +47,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_bytes(device: torch.device) -> int | None:
+    """Shared memory one program may opt into on this GPU (227 KiB on Hopper); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -72,7 +80,8 @@ def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    cfg = config or tile_config(num_tokens, num_seqs, group, next_power_of_2(head_dim))
+    cfg = config or tile_config(num_tokens, num_seqs, group, next_power_of_2(head_dim), k_cache.element_size(),
+                                _smem_bytes(query.device))
     if num_splits is None:
         # block_tables is at least as wide as the longest sequence's blocks: a context bound that
         # needs no sync. A table padded far wider only makes splitting likelier (empty splits exit).
@@ -248,14 +257,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, max_model_len: int,
-                       num_sms: int) -> list[tuple[TileConfig, int]]:
+                       num_sms: int, kv_bytes: int = 2, smem_bytes: int | None = None) -> list[tuple[TileConfig, int]]:
     """Every (tile, split count) launch_plan can choose for this model: the decode and the prefill
     tile, each with every split count num_kv_splits can return for a table up to max_model_len
     wide. The fewest busy programs (one sequence, num_kv_heads) split the most; every smaller
     power of two is reached by a shorter context."""
     group, head_dim_pad = num_heads // num_kv_heads, next_power_of_2(head_dim)
-    tiles = dict.fromkeys((tile_config(1, 1, group, head_dim_pad),
-                           tile_config(PREFILL_MIN_AVG_QUERY, 1, group, head_dim_pad)))
+    tiles = dict.fromkeys((tile_config(1, 1, group, head_dim_pad, kv_bytes, smem_bytes),
+                           tile_config(PREFILL_MIN_AVG_QUERY, 1, group, head_dim_pad, kv_bytes, smem_bytes)))
     most = num_kv_splits(num_kv_heads, -(-max_model_len // block_size) * block_size, num_sms)
     return [(tile, 1 << i) for tile in tiles for i in range(most.bit_length())]
 
@@ -294,7 +303,7 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     query_start_loc = torch.tensor([0, 1], dtype=index_dtype, device=dev)
     seq_lens = torch.ones(1, dtype=index_dtype, device=dev)
     for tile, num_splits in attention_variants(num_heads, num_kv_heads, head_dim, block_size, max_model_len,
-                                               _num_sms(dev)):
+                                               _num_sms(dev), k_cache.element_size(), _smem_bytes(dev)):
         paged_attention(qk[:, :num_heads], k_cache, v_cache, block_tables, query_start_loc, seq_lens, 1.0,
                         num_splits=num_splits, config=tile)
         launches += 1 if num_splits == 1 else 2

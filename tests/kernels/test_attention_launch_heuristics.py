@@ -41,6 +41,22 @@ def test_tiles():
     assert tile_config(1, 1, 32, 128).block_m == 32  # a tile always holds a whole head group
 
 
+HOPPER_SMEM, AMPERE_SMEM = 232448, 166912  # shared_memory_per_block_optin of an H100/H200 and an A100
+
+
+def test_decode_takes_128_keys_a_step_where_three_stages_fit_in_shared_memory():
+    def decode_block_n(head_dim_pad, kv_bytes, smem):
+        return tile_config(16, 16, 4, head_dim_pad, kv_bytes, smem).block_n
+
+    assert decode_block_n(128, 2, HOPPER_SMEM) == 128  # bf16: 3 x (K + V) x 32 KiB = 192 KiB
+    assert decode_block_n(128, 1, AMPERE_SMEM) == 128  # an fp8 cache halves that
+    assert decode_block_n(128, 2, AMPERE_SMEM) == 64
+    assert decode_block_n(128, 4, HOPPER_SMEM) == 64  # a float32 cache would need 384 KiB
+    assert decode_block_n(256, 2, HOPPER_SMEM) == 32
+    assert decode_block_n(128, 2, None) == 64  # unknown shared memory (the interpreter): the small tile
+    assert tile_config(4096, 2, 4, 128, 2, HOPPER_SMEM).block_n == 64  # prefill tiles are not affected
+
+
 def test_launcher_splits_by_the_block_table_width(triton_ops, monkeypatch):
     chosen = []
 
