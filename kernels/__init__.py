@@ -204,7 +204,7 @@ def _triton_backend() -> Backend:
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
                    t.rms_norm, t.apply_rotary, t.silu_and_mul, _no_packing, _plain_linear, _no_padding,
                    r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe,
-                   rotary_write_kv=t.rotary_write_kv, argmax=r.argmax)
+                   rotary_write_kv=t.rotary_write_kv, argmax=r.chunked_argmax)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}

@@ -226,6 +226,26 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+ARGMAX_CHUNK = 1024  # columns of a row the first pass of chunked_argmax reduces together
+
+
+def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax's answer in two passes: each 1024-column chunk's first maximum, then the first chunk
+    holding the row's maximum. On a GPU torch reduces a row in one thread block, so a lone row of a
+    128K vocabulary is one block's serial work: 31 us on an H200, 2.5% of a Llama-3.2-1B-shaped
+    decode step at batch 1 (BENCHMARKS.md, session 12). Padding reads as -inf, which never beats a
+    real column (an all -inf row still answers 0) and never shadows a NaN."""
+    rows, vocab = logits.shape
+    if vocab < 4 * ARGMAX_CHUNK:
+        return argmax(logits)
+    pad = -vocab % ARGMAX_CHUNK
+    if pad:
+        logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    values, index = logits.reshape(rows, -1, ARGMAX_CHUNK).max(dim=-1)
+    chunk = values.max(dim=-1).indices
+    return chunk * ARGMAX_CHUNK + index.gather(1, chunk[:, None]).squeeze(1)
+
+
 # ---- mixture of experts -----------------------------------------------------------------------------
 # Expert weights are stacked per layer: w13 [experts, 2 * ffn, hidden] (gate rows, then up rows) and
 # w2 [experts, hidden, ffn]. A rank may hold a slice of them: a run of whole experts starting at
