@@ -193,15 +193,16 @@ STEP_TOKENS = 2048  # max_num_batched_tokens of the engines built here (the engi
 
 
 def build_engine(model: str, max_batch: int, context: int, new_tokens: int, dtype: str, enforce_eager: bool | None,
-                 attention_backend: str = "auto", block_size: int = 16):
-    """An engine sized for the run alone: a fixed number of KV blocks, so two can share a GPU."""
+                 attention_backend: str = "auto", block_size: int = 16, **engine_kwargs):
+    """An engine sized for the run alone: a fixed number of KV blocks, so two can share a GPU.
+    engine_kwargs: further EngineConfig fields (a probe's quantization, say)."""
     from engine.frontend.llm import LLM
 
     max_len = context + new_tokens + 64
     extra = {} if enforce_eager is None else {"enforce_eager": enforce_eager}
     return LLM(model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len, max_num_batched_tokens=STEP_TOKENS,
                num_kv_blocks=max_batch * -(-max_len // block_size) + 4, block_size=block_size,
-               enable_prefix_caching=False, attention_backend=attention_backend, seed=0, **extra)
+               enable_prefix_caching=False, attention_backend=attention_backend, seed=0, **extra, **engine_kwargs)
 
 
 _GRAPH_MODES = {"on": [("graphs", False)], "off": [("eager", True)], "both": [("graphs", False), ("eager", True)]}

@@ -57,7 +57,9 @@ def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | N
         dtype=dtype, **shape,
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    # Initialising a 1B model's weights takes a CPU tens of seconds; a GPU, where there is one, well under one.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
