@@ -12,10 +12,10 @@ dequantizes them in registers to x's dtype exactly as engine.quant's dequantize 
 scale arithmetic, then one rounding to x's dtype) and feeds tl.dot, accumulating in float32. The
 weight tile is laid out [groups, group size, BLOCK_N], so each group's scale (and min) is loaded
 once and broadcast over its weights. Small batches (decode) leave most SMs idle with one program per
-column tile, so K is split over more programs, each writing a float32 partial that torch sums
-(deterministic, no atomics). Every choice comes from shapes; nothing is read back from the GPU, so a
-decode step that calls it can be captured in a CUDA graph, and warmup() can compile every binary a
-model's layers will pick before serving.
+column tile, so K is split over more programs, each writing a float32 partial that a second small
+kernel sums with the bias (deterministic, no atomics). Every choice comes from shapes; nothing is
+read back from the GPU, so a decode step that calls it can be captured in a CUDA graph, and
+warmup() can compile every binary a model's layers will pick before serving.
 
 Imported only once the triton backend is chosen (engine/quant/formats.py), like triton_ops.py.
 """
@@ -158,95 +158,24 @@ def quant_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, groups_per_spl
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# One-row decode (a batch-1 step's every linear) takes a GEMV without tensor cores: the tl.dot
-# kernel above pads one row to 16 and gathers the blocks byte by byte across columns, which
-# measured 0.62x bf16's decode speed on an H200 for int4 (BENCHMARKS.md, session 12). Here each
-# thread reads consecutive 16-bit words of one weight row (a block's scale, min and quants are
-# 2-byte aligned in all three formats), so a warp's loads are contiguous runs of its rows' bytes.
-GEMV_FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
-GEMV_BLOCK_N = 16  # weight rows (output features) per program
-GEMV_GROUPS = 8  # 32-weight blocks per row a loop step reads: 16 x 8 x 20 bytes = 2.5 KiB (Q4_1)
-GEMV_WARPS = 4
-
-
-@triton.jit
-def _gemv_x(x_ptr, groups, group_in, offsets):
-    """x at inputs groups * 32 + offsets [1, W], as float32 [G, W]."""
-    return tl.load(x_ptr + groups[:, None] * 32 + offsets, mask=group_in[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["groups_per_split"])
-def quant_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, groups_per_split, stride_w,
-                      FORMAT: tl.constexpr, BLOCK_WORDS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
-    """out[n] = sum_k x[k] w[n, k] over this program's split of K (axis 1), x one row, the weight's
-    blocks read as int16 words (w_ptr, stride_w in words). float32 partials at out + split * N when
-    PARTIAL (no bias), else (+ bias[n]) in out's dtype. Each weight is dequantized in float32 and
-    rounded to x's dtype, as engine.quant dequantizes, then multiplied in float32."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_in = cols < N
-    num_groups = K // 32
-    first = tl.program_id(1) * groups_per_split
-    last = tl.minimum(first + groups_per_split, num_groups)
-    row = w_ptr + cols.to(tl.int64)[:, None, None] * stride_w  # [BN, 1, 1]
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g0 in range(first, last, G):
-        groups = g0 + tl.arange(0, G)
-        group_in = groups < last
-        block = row + (groups * BLOCK_WORDS)[None, :, None]  # [BN, G, 1]: each block's first word
-        mask = col_in[:, None, None] & group_in[None, :, None]
-        d = tl.load(block, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        if FORMAT == 0:  # Q8_0: fp16 d, then 16 words of two int8 weights, low byte first
-            i = tl.arange(0, 16)[None, None, :]
-            u = tl.load(block + 1 + i, mask=mask, other=0)
-            w0 = ((u << 8) >> 8).to(tl.float32)  # the low byte, sign-extended
-            w1 = (u >> 8).to(tl.float32)
-            w0 = (d * w0).to(dtype).to(tl.float32)
-            w1 = (d * w1).to(dtype).to(tl.float32)
-            two_i = 2 * tl.arange(0, 16)[None, :]
-            part = (w0 * _gemv_x(x_ptr, groups, group_in, two_i)[None, :, :]
-                    + w1 * _gemv_x(x_ptr, groups, group_in, two_i + 1)[None, :, :])
-        else:  # Q4_0: fp16 d, 8 words; Q4_1: fp16 d, fp16 m, 8 words. Byte j: weight j low, j + 16 high
-            i = tl.arange(0, 8)[None, None, :]
-            if FORMAT == 1:
-                u = tl.load(block + 1 + i, mask=mask, other=0)
-                m = -8.0 * d
-            else:
-                u = tl.load(block + 2 + i, mask=mask, other=0)
-                m = tl.load(block + 1, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            # word i = bytes 2i (low) and 2i + 1: weights 2i, 2i + 1 (low nibbles), 2i + 16, 2i + 17
-            two_i = 2 * tl.arange(0, 8)[None, :]
-            w = (d * (u & 15).to(tl.float32) + m).to(dtype).to(tl.float32)
-            part = w * _gemv_x(x_ptr, groups, group_in, two_i)[None, :, :]
-            w = (d * ((u >> 8) & 15).to(tl.float32) + m).to(dtype).to(tl.float32)
-            part += w * _gemv_x(x_ptr, groups, group_in, two_i + 1)[None, :, :]
-            w = (d * ((u >> 4) & 15).to(tl.float32) + m).to(dtype).to(tl.float32)
-            part += w * _gemv_x(x_ptr, groups, group_in, two_i + 16)[None, :, :]
-            w = (d * ((u >> 12) & 15).to(tl.float32) + m).to(dtype).to(tl.float32)
-            part += w * _gemv_x(x_ptr, groups, group_in, two_i + 17)[None, :, :]
-        acc += tl.sum(tl.sum(part, 2), 1)
-    if PARTIAL:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * N + cols, acc, mask=col_in)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_in)
-
-
-@triton.jit
-def sum_splits_kernel(out_ptr, part_ptr, bias_ptr, N, NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+@triton.jit(do_not_specialize=["total"])  # rows x N: batch-sized, like quant_matmul_kernel's M
+def sum_splits_kernel(out_ptr, part_ptr, bias_ptr, total, N, NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """out[n] = sum_s part[s, n] (+ bias[n]) in out's dtype: split-K's partials and the bias in one
-    launch (torch's sum, add and cast are three)."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    col_in = cols < N
+    """out = sum over splits of the float32 partials [NUM_SPLITS, M, N] (+ bias[n]) in out's dtype,
+    BLOCK of the M x N outputs a program: split-K's sum, bias and cast in one launch. torch's sum,
+    add and copy were three (an H200 profile of a batch-1 int4 step: 98 launches, 167 us; this
+    kernel 32 launches, 34 us)."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < total
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        acc += tl.load(part_ptr + s * N + cols, mask=col_in, other=0.0)
+        acc += tl.load(part_ptr + s * total + idx, mask=valid, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_in)
+        acc += tl.load(bias_ptr + idx % N, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+SUM_SPLITS_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -263,7 +192,9 @@ class LaunchPlan:
 def tiles(num_tokens: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A decode batch is a weight-streaming
     GEMV: the fewest rows tl.dot takes (16), narrow column tiles for more programs, long K steps;
-    a prefill a GEMM with 64-row tiles. BLOCK_K is whole scale groups."""
+    a prefill a GEMM with 64-row tiles. BLOCK_K is whole scale groups. (A CUDA-core GEMV for one
+    row, reading each weight row as 16-bit words, lost to this tile inside a batch-1 step on an
+    H200: 1.44 ms against 1.24 ms over a 1B model's 64 matmuls; BENCHMARKS.md, session 12.)"""
     if num_tokens <= 16:
         return 16, 32, max(128, group), 4, 3
     if num_tokens <= 64:
@@ -316,9 +247,6 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt_name: str, bias: tor
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
-    if m == 1 and fmt_name in GEMV_FORMATS:
-        _gemv(x2, blocks, fmt_name, bias, out, num_splits)
-        return out.view(*x.shape[:-1], n)
     plan = launch_plan(m, n, k, fmt_name, triton_ops._num_sms(x.device), num_splits)
     partial = plan.num_splits > 1
     dest = torch.empty(plan.num_splits, m, n, dtype=torch.float32, device=x.device) if partial else out
@@ -332,40 +260,10 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt_name: str, bias: tor
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if partial:
-        summed = dest.sum(0)
-        if bias is not None:
-            summed += bias.float()
-        out.copy_(summed)
+        sum_splits_kernel[(triton.cdiv(m * n, SUM_SPLITS_BLOCK),)](
+            out, dest, bias if bias is not None else out, m * n, n, NUM_SPLITS=plan.num_splits,
+            HAS_BIAS=bias is not None, BLOCK=SUM_SPLITS_BLOCK)
     return out.view(*x.shape[:-1], n)
-
-
-def gemv_splits(n: int, k: int, num_sms: int) -> int:
-    """K splits of a one-row GEMV: n / GEMV_BLOCK_N programs fill PROGRAMS_PER_SM per SM or split."""
-    return split_k(triton.cdiv(n, GEMV_BLOCK_N), triton.cdiv(k // 32, GEMV_GROUPS), num_sms)
-
-
-def _gemv(x: torch.Tensor, blocks: torch.Tensor, fmt_name: str, bias: torch.Tensor | None, out: torch.Tensor,
-          num_splits: int | None) -> None:
-    """quant_linear for one row of x (Q8_0 / Q4_0 / Q4_1): quant_gemv_kernel, then, when K is split,
-    sum_splits_kernel; the bias is added in float32 before the one rounding, as the tl.dot kernel adds it."""
-    n, k = out.shape[1], x.shape[1]
-    _, _, _, block_bytes = FORMATS[fmt_name]
-    assert blocks.stride(0) % 2 == 0 and blocks.storage_offset() % 2 == 0, "blocks must be 2-byte aligned"
-    words = blocks.view(torch.int16)
-    if num_splits is None:
-        num_splits = gemv_splits(n, k, triton_ops._num_sms(x.device))
-    num_groups = k // 32
-    groups_per_split = triton.cdiv(triton.cdiv(num_groups, num_splits), GEMV_GROUPS) * GEMV_GROUPS
-    partial = num_splits > 1
-    dest = torch.empty(num_splits, n, dtype=torch.float32, device=x.device) if partial else out
-    bias_arg = bias if bias is not None else out
-    quant_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N), num_splits)](
-        x, words, bias_arg, dest, n, k, groups_per_split, words.stride(0),
-        FORMAT=GEMV_FORMATS[fmt_name], BLOCK_WORDS=block_bytes // 2, HAS_BIAS=bias is not None,
-        PARTIAL=partial, BLOCK_N=GEMV_BLOCK_N, G=GEMV_GROUPS, num_warps=GEMV_WARPS)
-    if partial:
-        sum_splits_kernel[(triton.cdiv(n, 1024),)](out, dest, bias_arg, n, NUM_SPLITS=num_splits,
-                                                   HAS_BIAS=bias is not None, BLOCK=1024)
 
 
 def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_tokens: int) -> int:
@@ -382,9 +280,8 @@ def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_token
     launches = 0
     for (fmt_name, n, k, _), (blocks, bias) in shapes.items():
         plans = {}
-        for m in range(1, max_num_tokens + 1):  # one row of a GEMV format is the GEMV's own binary
-            plans.setdefault("gemv" if m == 1 and fmt_name in GEMV_FORMATS else launch_plan(m, n, k, fmt_name, num_sms),
-                             m)
+        for m in range(1, max_num_tokens + 1):
+            plans.setdefault(launch_plan(m, n, k, fmt_name, num_sms), m)
         for m in plans.values():
             x = torch.zeros(m, k, dtype=dtype, device=device)
             quant_linear(x, blocks, fmt_name, None if bias is None else bias.to(dtype))

@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 from kernels import triton_moe, triton_ops, triton_quant
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-                 torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+                 torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
 if getattr(torch, "float8_e4m3fn", None) is not None:
     POINTER_TYPES[torch.float8_e4m3fn] = "*fp8e4nv"
 # Shared memory one block may use (bytes), per compute capability.
@@ -73,12 +73,12 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     """The launches of a decode batch (with and without split-KV), a prefill, a KV store, an MoE
     layer's two grouped GEMMs at decode and prefill tiles and its SiLU-and-mul, the weight-only
     matmul on each block format (GGUF's and fp8's; decode with split-K, int8's and int4's formats
-    at the prefill tiles too; the one-row GEMV split and unsplit with a bias), and the start-up
-    warm-up of a Llama-3.2-1B shape at a short max_model_len (no split counts; the fused norm,
-    rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only: Ampere has no e4m3
-    conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead the warm-ups of the
-    1B shape at 8k context (every tile and split count on an H100's 132 SMs) and of a Qwen3 shape
-    (q/k norms on head-strided rows): what a GPU compiles at start-up, many more binaries."""
+    at the prefill tiles too), and the start-up warm-up of a Llama-3.2-1B shape at a short max_model_len (no split
+    counts; the fused norm, rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only:
+    Ampere has no e4m3 conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead
+    the warm-ups of the 1B shape at 8k context (every tile and split count on an H100's 132 SMs)
+    and of a Qwen3 shape (q/k norms on head-strided rows): what a GPU compiles at start-up, many
+    more binaries."""
     calls = []
     names = ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel", "rms_norm_kernel",
              "rotary_write_kv_kernel", "silu_and_mul_kernel")
@@ -86,7 +86,7 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     for name, recorder in recorders.items():
         setattr(triton_ops, name, recorder)
     triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
-    for name in ("quant_matmul_kernel", "quant_gemv_kernel", "sum_splits_kernel"):
+    for name in ("quant_matmul_kernel", "sum_splits_kernel"):
         setattr(triton_quant, name, Recorder(getattr(triton_quant, name), calls))
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
@@ -129,11 +129,6 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
         # decode (split-K partials on 132 SMs); int8's and int4's formats at the prefill tiles too
         for num_tokens in (1, 40, 512) if fmt in ("Q8_0", "Q4_1") else (1,):
             triton_quant.quant_linear(torch.empty(num_tokens, 2048, dtype=torch.bfloat16), blocks, fmt)
-    for fmt in triton_quant.GEMV_FORMATS:  # one row of a wide layer: the GEMV unsplit, with a bias
-        _, _, block, block_bytes = triton_quant.FORMATS[fmt]
-        blocks = torch.empty(16384, 2048 // block * block_bytes, dtype=torch.uint8)
-        triton_quant.quant_linear(torch.empty(1, 2048, dtype=torch.bfloat16), blocks, fmt,
-                                  torch.empty(16384, dtype=torch.bfloat16))
     triton_ops.warmup(**dict(llama_1b, max_model_len=256))
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None:

@@ -143,42 +143,6 @@ def test_split_k(triton_quant, fmt, num_splits, dtype):
     check(got, x, w, bias)
 
 
-GEMV_FORMATS = ["Q8_0", "Q4_0", "Q4_1"]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
-@pytest.mark.parametrize("fmt", GEMV_FORMATS)
-def test_one_row_gemv(triton_quant, monkeypatch, fmt, num_splits, dtype):
-    """One row (a batch-1 decode) takes the GEMV kernel: K of 12 blocks is one whole and one part
-    loop step of 8 blocks; 8 splits leave some empty (zeros, not garbage); the bias is added once,
-    before the one rounding, split or not."""
-    calls = []
-    gemv = triton_quant._gemv
-    monkeypatch.setattr(triton_quant, "_gemv", lambda *a: calls.append(a[2]) or gemv(*a))
-    k = _k(fmt, 12)
-    blocks, w = quantized_weight(fmt, 45, k, seed=num_splits)
-    gen = torch.Generator().manual_seed(num_splits)
-    x = torch.randn(1, k, generator=gen).to(dtype)
-    bias = torch.randn(45, generator=gen).to(dtype)
-    got = triton_quant.quant_linear(x.to(DEVICE), blocks.to(DEVICE), fmt, bias.to(DEVICE), num_splits=num_splits)
-    assert calls == [fmt]
-    check(got, x, w, bias)
-
-
-@pytest.mark.parametrize("fmt", GEMV_FORMATS)
-def test_one_row_gemv_every_bit(triton_quant, fmt):
-    """Random block bytes through the GEMV: both nibbles of every byte, the int8 weights' signs,
-    fp16 scales (and Q4_1's mins) from subnormal up; a weight that is a row-stride view."""
-    k = _k(fmt, 7)
-    blocks, w = random_blocks(fmt, 70, k, seed=3)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4))
-    wide = torch.zeros(70, blocks.shape[1] + 6, dtype=torch.uint8)
-    wide[:, 2:2 + blocks.shape[1]] = blocks  # 2-byte aligned rows inside a wider buffer
-    got = triton_quant.quant_linear(x.to(DEVICE), wide[:, 2:2 + blocks.shape[1]].to(DEVICE), fmt)
-    check(got, x, w, None)
-
-
 def test_leading_dims_strided_rows_and_empty_batches(triton_quant):
     """x [..., K] with a row stride wider than K (a view of a wider tensor), and no tokens at all."""
     blocks, w = quantized_weight("Q4_1", 33, 96)
@@ -216,7 +180,7 @@ def test_split_heuristic(triton_quant):
 def test_warmup_launches_each_plan_once_per_layer_shape(triton_quant, monkeypatch):
     """Distinct (format, shape, bias) layers only; per layer, the first row count of each launch plan:
     on one SM (the interpreter's count, set here on a GPU too) nothing splits, so one per tile size
-    (2, 17 and 65 rows) and the one-row GEMV (1)."""
+    (1, 17 and 65 rows)."""
     from kernels import triton_ops
 
     monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 1)
@@ -230,8 +194,8 @@ def test_warmup_launches_each_plan_once_per_layer_shape(triton_quant, monkeypatc
     monkeypatch.setattr(triton_quant, "quant_linear", recorded)
     q4, q8 = quantized_weight("Q4_1", 45, 96)[0].to(DEVICE), quantized_weight("Q8_0", 40, 64)[0].to(DEVICE)
     layers = [("Q4_1", q4, None), ("Q4_1", q4.clone(), None), ("Q8_0", q8, torch.zeros(40, device=DEVICE))]
-    assert triton_quant.warmup(layers, torch.float32, DEVICE, max_num_tokens=100) == 8
-    assert rows == [("Q4_1", m, False) for m in (1, 2, 17, 65)] + [("Q8_0", m, True) for m in (1, 2, 17, 65)]
+    assert triton_quant.warmup(layers, torch.float32, DEVICE, max_num_tokens=100) == 6
+    assert rows == [("Q4_1", m, False) for m in (1, 17, 65)] + [("Q8_0", m, True) for m in (1, 17, 65)]
 
 
 # ---- the engine: --quantization int8 / int4 on the triton backend ----------------------------------
