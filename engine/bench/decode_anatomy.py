@@ -12,7 +12,8 @@ torch.profiler, each in a `decode_step` range:
   included); on CPU the leaf ATen ops that compute (views and allocations left out), a proxy;
 - host launches per step (CUDA): kernel launches, async copies and memsets, graph launches issued
   by the host; a graph replay is one launch however many kernels it holds;
-- GPU busy: the union of the device's activity intervals over the steps' wall time (CUDA).
+- GPU busy: the device's activity a profiled step (the union of its intervals) over the median
+  unprofiled step time (CUDA).
 
 Bytes per step = the weights (all parameters; an untied input embedding only for the B rows it
 reads) plus the KV cache read (B x context x bytes per token), so GB/s = bytes / step time compares
@@ -89,18 +90,13 @@ def step_activity(events, num_steps: int, on_cuda: bool) -> dict:
         out["kernels_per_step"] = len(device) / num_steps
         out["host_launches_per_step"] = sum(e.name in _LAUNCH_CALLS for e in events) / num_steps
         out["graph_launches_per_step"] = sum(e.name in _GRAPH_LAUNCH for e in events) / num_steps
-        # Kernels run after their step's host range has closed only when the host got ahead; the
-        # step ends with the sampled ids copied back, so each step's kernels lie inside its range.
-        wall = sum(s.time_range.end - s.time_range.start for s in steps)
-        busy = 0.0
-        for s in steps:
-            a, b = s.time_range.start, s.time_range.end
-            busy += _union_us([(max(e.time_range.start, a), min(e.time_range.end, b)) for e in device
-                               if e.time_range.end > a and e.time_range.start < b])
-        out["gpu_busy"] = busy / wall if wall > 0 else None
+        # The device's own time, not clipped to the steps' host ranges: its timestamps need not
+        # line up with the host's (session 9's clipped union read 39% busy where the kernels of a
+        # step summed to 92% of it; BENCHMARKS.md, session 12).
+        out["device_us_per_step"] = _union_us([(e.time_range.start, e.time_range.end) for e in device]) / num_steps
     else:
         out["kernels_per_step"] = sum(_innermost_compute(e) for e in events) / num_steps
-        out["host_launches_per_step"] = out["graph_launches_per_step"] = out["gpu_busy"] = None
+        out["host_launches_per_step"] = out["graph_launches_per_step"] = out["device_us_per_step"] = None
     return out
 
 
@@ -184,6 +180,9 @@ def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: in
     step_s = statistics.median(times)
     kv = batch * (context + warmup + steps // 2) * runner.kv_bytes_per_token()
     w = weight_bytes(runner, batch)
+    # Busy against the unprofiled step: under the profiler the host runs slower, the GPU does not.
+    device_us = activity["device_us_per_step"]
+    activity["gpu_busy"] = None if device_us is None else min(1.0, device_us * 1e-6 / step_s)
     return dict(batch=batch, context=context, steps=steps, step_ms=step_s * 1e3,
                 step_ms_min=min(times) * 1e3, tok_s=batch / step_s, weight_bytes=w, kv_bytes=kv,
                 gb_per_s=(w + kv) / step_s / 1e9, num_layers=len(runner.model.layers()), **activity)

@@ -53,7 +53,7 @@ def test_cpu_step_counts_the_innermost_ops_that_compute():
     # matmul -> mm, relu, add: three ops that compute per step (views and allocations do not count).
     counts = decode_anatomy.profile_steps(lambda: torch.relu(a @ b.t()).add(1).view(-1), 3, on_cuda=False)
     assert counts["kernels_per_step"] == 3
-    assert counts["gpu_busy"] is None
+    assert counts["device_us_per_step"] is None
 
 
 def test_union_of_intervals():
