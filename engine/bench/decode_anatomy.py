@@ -13,7 +13,8 @@ torch.profiler, each in a `decode_step` range:
 - host launches per step (CUDA): kernel launches, async copies and memsets, graph launches issued
   by the host; a graph replay is one launch however many kernels it holds;
 - GPU busy: the device's activity a profiled step (the union of its intervals) over the median
-  unprofiled step time (CUDA).
+  unprofiled step time (CUDA);
+- top kernels (CUDA): the device activities grouped by name, microseconds and launches a step.
 
 Bytes per step = the weights (all parameters; an untied input embedding only for the B rows it
 reads) plus the KV cache read (B x context x bytes per token), so GB/s = bytes / step time compares
@@ -30,6 +31,7 @@ import sys
 import time
 
 STEP_RANGE = "decode_step"
+TOP_KERNELS = 12  # kernels (by name) listed per row: where a step's device time goes
 # ATen ops that only make or reshape a tensor's metadata (or allocate): no kernel, no compute.
 _NO_COMPUTE = {
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::_reshape_alias",
@@ -94,10 +96,23 @@ def step_activity(events, num_steps: int, on_cuda: bool) -> dict:
         # line up with the host's (session 9's clipped union read 39% busy where the kernels of a
         # step summed to 92% of it; BENCHMARKS.md, session 12).
         out["device_us_per_step"] = _union_us([(e.time_range.start, e.time_range.end) for e in device]) / num_steps
+        out["top_kernels"] = top_kernels(device, num_steps)
     else:
         out["kernels_per_step"] = sum(_innermost_compute(e) for e in events) / num_steps
         out["host_launches_per_step"] = out["graph_launches_per_step"] = out["device_us_per_step"] = None
+        out["top_kernels"] = None
     return out
+
+
+def top_kernels(device_events, num_steps: int, top: int = TOP_KERNELS) -> list[dict]:
+    """The device activities grouped by name: launches and microseconds per step, most time first."""
+    totals: dict[str, list[float]] = {}
+    for e in device_events:
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(name=name[:120], per_step=n / num_steps, us_per_step=us / num_steps) for name, (n, us) in rows]
 
 
 def profile_steps(step, num_steps: int, on_cuda: bool, trace_path: str | None = None) -> dict:

@@ -114,6 +114,12 @@ def markdown(report: dict) -> str:
                          f"{_fmt(r['host_launches_per_step'], '.0f')} | {_fmt(r['graph_launches_per_step'], '.0f')} | "
                          f"{_fmt(r['gpu_busy'], '.0%')} |")
         lines += ["", f"Kernels counted as: {anatomy[0]['kernels_counted']}."]
+        for r in anatomy:
+            if r.get("top_kernels") and r["mode"] != "eager":  # eager lists the same kernels, slower to launch
+                lines += ["", f"### Kernels of a step: {r['model']}, {r['mode']}, batch {r['batch']}", "",
+                          "| us/step | launches/step | kernel |", "|---|---|---|"]
+                lines += [f"| {k['us_per_step']:.1f} | {k['per_step']:.1f} | `{k['name'][:100]}` |"
+                          for k in r["top_kernels"]]
     lines += ["", "## Targets", "", "| target | value | met | note |", "|---|---|---|---|"]
     for t in report["targets"]:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "MISSED")

@@ -60,6 +60,21 @@ def test_union_of_intervals():
     assert decode_anatomy._union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
 
 
+def test_top_kernels_group_device_time_by_name():
+    from types import SimpleNamespace
+
+    def ev(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 0, 10), ev("norm", 10, 11), ev("gemm", 20, 26), ev("attn", 30, 33), ev("norm", 40, 41)]
+    assert decode_anatomy.top_kernels(events, num_steps=2, top=2) == [
+        dict(name="gemm", per_step=1.0, us_per_step=8.0), dict(name="attn", per_step=0.5, us_per_step=1.5)]
+    row = dict(_row("llama-3.2-1b", "graphs", 1, 16, 210, 2.5, 2400, graphs=1), context=1024, tok_s=400.0,
+               host_launches_per_step=4, gpu_busy=0.9, top_kernels=decode_anatomy.top_kernels(events, num_steps=2))
+    text = gpu_report.markdown(dict(dry_run=False, env=None, stages={}, wall_s=1.0, anatomy=[row], targets=[]))
+    assert "| 8.0 | 1.0 | `gemm` |" in text and "| 1.0 | 1.0 | `norm` |" in text
+
+
 def test_junit_counts(tmp_path):
     xml = tmp_path / "r.xml"
     xml.write_text('<testsuites><testsuite><testcase classname="a" name="ok"/>'
