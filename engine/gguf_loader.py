@@ -31,6 +31,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.gguf_header import GGUFHeader, open_gguf
 from engine.quant import FORMATS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class GGUFModel:
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the file has no tokenizer metadata
     generation_config: GenerationConfig
-    reader: GGUFReader = field(repr=False)
+    reader: GGUFHeader | GGUFReader = field(repr=False)
 
     def types(self) -> dict[str, tuple[str, str]]:
         """HF name -> (GGUF tensor name, GGUF type name), e.g. ("blk.0.attn_q.weight", "Q4_1")."""
@@ -135,7 +136,7 @@ class GGUFModel:
                 yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: off the memmap
 
 
-def _field(reader: GGUFReader, key: str, default=None):
+def _field(reader: GGUFHeader | GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -145,7 +146,7 @@ def _field(reader: GGUFReader, key: str, default=None):
     return f.contents()
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFHeader | GGUFReader, arch: str) -> dict | None:
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     if kind == "none" and (linear := _field(reader, f"{arch}.rope.scale_linear")):  # pre-2024 files
@@ -201,7 +202,7 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel:
     """with_tokenizer=False leaves GGUFModel.tokenizer None (the weight loader reads only tensors)."""
     path = os.fspath(path)
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
