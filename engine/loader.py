@@ -70,7 +70,7 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
         from engine.gguf_loader import load_gguf
 
         check_gguf_file(path)
-        gguf = load_gguf(path)
+        gguf = load_gguf(path, with_tokenizer=tokenizer_path is None)  # --tokenizer: not converted for nothing
         _check_gguf_quantization(path, quantization, gguf.types())
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
         _set_chat_template(tokenizer, chat_template)

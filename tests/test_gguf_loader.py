@@ -329,3 +329,25 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(monkeypatch, 
         again = gguf_tokenizer(path)
     assert again(text).input_ids == converted(text).input_ids
     assert "not cached" in caplog.text
+
+
+def test_a_tokenizer_folder_replaces_the_files_own(monkeypatch, tmp_path):
+    """--tokenizer with a .gguf: that folder's tokenizer, and the file's is never converted (a
+    conversion is seconds of start-up, and a cache entry, for nothing)."""
+    import transformers
+
+    from engine import gguf_loader
+    from engine.loader import resolve_model
+
+    def refuse(path):
+        raise AssertionError("the GGUF's own tokenizer was converted")
+
+    monkeypatch.setattr(gguf_loader, "gguf_tokenizer", refuse)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    from engine.bench.gpu_check import TOKENIZER
+
+    transformers.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    source = resolve_model(default_gguf_path(), tokenizer_path=str(folder))
+    assert source.tokenizer("Hello world").input_ids == \
+        transformers.AutoTokenizer.from_pretrained(TOKENIZER)("Hello world").input_ids
