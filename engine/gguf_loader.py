@@ -168,35 +168,28 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     conversion. The conversion parses the whole file again and builds the vocabulary in Python:
     7.3 s for the default model's 49,152 tokens on the AVX2 machine, against 0.3 s to read the saved
     tokenizer.json (two of each made every start-up ~23 s). Keyed by the file's path, size and
-    mtime, so a changed file converts again; written to a temporary folder and renamed, so a reader
-    never sees half of one; where the cache cannot be written the tokenizer is converted each time."""
+    mtime, so a changed file converts again (user_cache.cached_folder: built once, published
+    whole); where the cache cannot be written the tokenizer is converted each time."""
     import hashlib
-    import shutil
-    import tempfile
 
-    from engine.user_cache import cache_dir
+    from engine.user_cache import cached_folder
 
     path = os.path.abspath(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    root = os.path.join(cache_dir(), "gguf-tokenizers")
-    final = os.path.join(root, f"{os.path.basename(path)}-{key}")
-    if os.path.isfile(os.path.join(final, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(final)
     folder, name = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    converted = []  # the tokenizer this call converted, if it did: no need to read it back
+
+    def build(tmp: str) -> None:
+        converted.append(AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        converted[0].save_pretrained(tmp)
+
     try:
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=root)
-        try:
-            tokenizer.save_pretrained(tmp)
-            os.chmod(tmp, 0o755)  # mkdtemp's 0700; the cache may be shared
-            os.rename(tmp, final)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process renamed its copy first, or no space
+        cached = cached_folder(os.path.join("gguf-tokenizers", f"{name}-{key}"), build)
     except OSError as e:
         logger.info("GGUF tokenizer not cached (%s): it is converted from the file at each start", e)
-    return tokenizer
+        return converted[0] if converted else AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return converted[0] if converted else AutoTokenizer.from_pretrained(cached)
 
 
 def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel:

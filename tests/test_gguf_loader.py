@@ -311,7 +311,7 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(monkeypatch, 
     path = default_gguf_path()
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path / "cache"))
     converted = gguf_tokenizer(path)
-    (entry,) = os.listdir(tmp_path / "cache" / "gguf-tokenizers")
+    (entry,) = [e for e in os.listdir(tmp_path / "cache" / "gguf-tokenizers") if not e.endswith(".lock")]
     folder = str(tmp_path / "cache" / "gguf-tokenizers" / entry)
     cached = gguf_tokenizer(path)
     assert os.path.realpath(cached.name_or_path) == os.path.realpath(folder)
