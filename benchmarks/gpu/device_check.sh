@@ -6,13 +6,7 @@
 # random-length 100-1024 in and out), #14's ">= 5x transformers" target.
 # Wheels the image lacks (gguf, the kernel tests' oracle) travel in .whl/; results go to $OUT.
 set -u
-OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu/lease_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv
 uptime
 what=${1:-all}

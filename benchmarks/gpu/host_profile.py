@@ -18,7 +18,6 @@ import cProfile
 import io
 import json
 import pstats
-import random
 import statistics
 import time
 
@@ -46,20 +45,14 @@ class Phases:
 def measure(model: str, batch: int, context: int, steps: int, quantization: str | None, profile: bool) -> dict:
     import torch
 
-    from engine.bench.decode_anatomy import _decode_steps_until_all_decoding, build_engine
-    from engine.sampling_params import SamplingParams
+    from engine.bench.decode_anatomy import build_engine, start_decoding
 
     extra = {"quantization": quantization} if quantization else {}
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = build_engine(model, batch, context, steps * 3 + 64, dtype, False, **extra)
     core = llm.engine
     runner = core.runner
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 3 + 32, ignore_eos=True)
-    ids = [f"p{i}" for i in range(batch)]
-    for rid in ids:
-        core.add_request(rid, [rng.randrange(3, core.vocab_size) for _ in range(context)], params)
-    _decode_steps_until_all_decoding(core, batch)
+    ids = start_decoding(core, batch, context, steps * 3 + 32)
     for _ in range(5):
         core.step()
     on_cuda = torch.cuda.is_available()  # CPU: a rehearsal of the script (no GPU time)

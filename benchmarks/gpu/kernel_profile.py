@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
-from collections import defaultdict
 
 
 def profile(model: str, batch: int, context: int, steps: int, quantization: str | None) -> dict:
@@ -22,8 +20,7 @@ def profile(model: str, batch: int, context: int, steps: int, quantization: str 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from engine.bench.decode_anatomy import _decode_steps_until_all_decoding, build_engine
-    from engine.sampling_params import SamplingParams
+    from engine.bench.decode_anatomy import build_engine, start_decoding, top_kernels
 
     on_cuda = torch.cuda.is_available()  # CPU: a rehearsal of the script, no kernels to list
 
@@ -34,12 +31,7 @@ def profile(model: str, batch: int, context: int, steps: int, quantization: str 
     extra = {"quantization": quantization} if quantization else {}
     llm = build_engine(model, batch, context, steps * 2 + 64, "bfloat16" if on_cuda else "float32", False, **extra)
     core = llm.engine
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 2 + 32, ignore_eos=True)
-    ids = [f"k{i}" for i in range(batch)]
-    for rid in ids:
-        core.add_request(rid, [rng.randrange(3, core.vocab_size) for _ in range(context)], params)
-    _decode_steps_until_all_decoding(core, batch)
+    ids = start_decoding(core, batch, context, steps * 2 + 32)
     for _ in range(5):
         core.step()
     sync()
@@ -52,14 +44,11 @@ def profile(model: str, batch: int, context: int, steps: int, quantization: str 
     core.abort_request(ids)
     core.step()
     llm.shutdown()
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
-            per_name[e.name].append(e.time_range.end - e.time_range.start)
-    kernels = sorted(((name, len(d) / steps, sum(d) / steps) for name, d in per_name.items()), key=lambda r: -r[2])
+    device = [e for e in prof.events()
+              if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    kernels = top_kernels(device, steps, top=len(device))
     return dict(quantization=quantization or "bf16", batch=batch, context=context, wall_us=wall / steps * 1e6,
-                kernel_us=sum(r[2] for r in kernels),
-                kernels=[dict(name=n[:140], count=c, us=u) for n, c, u in kernels])
+                kernel_us=sum(k["us_per_step"] for k in kernels), kernels=kernels)
 
 
 def main() -> int:
@@ -83,7 +72,7 @@ def main() -> int:
         print(f"== {r['quantization']} batch {r['batch']} context {r['context']}: {r['wall_us']:.0f} us/step wall, "
               f"{r['kernel_us']:.0f} us/step in kernels ({r['kernel_us'] / r['wall_us']:.0%})", flush=True)
         for k in r["kernels"][:args.top]:
-            print(f"  {k['us']:8.1f} us  x{k['count']:5.1f}  {k['name'][:110]}")
+            print(f"  {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['name'][:110]}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -3,11 +3,7 @@
 # tests/gpu; the attention launch sweep; the host-time breakdown of a batch-1 decode step and
 # weight-only quantization at batch 1. Output under $OUT.
 set -u
-OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu/lease_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 uptime; git log --oneline -1 2>/dev/null
 t0=$(date +%s)

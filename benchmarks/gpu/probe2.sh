@@ -3,11 +3,7 @@
 # decode step (bf16 and int4), then the GPU tests touched since session 9 (failures logged as they
 # happen). Output under $OUT.
 set -u
-OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:$PYTHONPATH
+source benchmarks/gpu/lease_env.sh
 uptime
 t0=$(date +%s)
 timeout 60 python3 -m kernels.bench --output-json "$OUT/kernel_bench.json" --plot "$OUT/kernel_bench.png"

@@ -4,11 +4,7 @@
 # failures logged as they happen), batch-1 decode of the Llama-3.2-1B shape in bf16 / int4 / int8
 # (step times, kernels per step), and a batch-1 attention sweep. Output under $OUT.
 set -u
-OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:$PYTHONPATH
+source benchmarks/gpu/lease_env.sh
 t0=$(date +%s)
 timeout 45 python3 benchmarks/gpu/gemv_bench.py 2>&1 | tee "$OUT/gemv_bench.log"
 echo "gemv done at $(( $(date +%s) - t0 )) s"

@@ -156,27 +156,34 @@ def _decode_steps_until_all_decoding(core, batch: int) -> None:
                 started.add(out.request_id)
 
 
+def start_decoding(core, batch: int, context: int, max_tokens: int, seed: int = 0) -> list[str]:
+    """Add `batch` requests of `context` random prompt tokens (greedy, EOS ignored, max_tokens new
+    tokens each) and step until every one is decoding; their request ids."""
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"anatomy-{batch}-{i}" for i in range(batch)]  # measure_batch aborts these by name
+    for rid in ids:
+        core.add_request(rid, [rng.randrange(3, core.vocab_size) for _ in range(context)], params)
+    _decode_steps_until_all_decoding(core, batch)
+    return ids
+
+
 def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: int, warmup: int = 3,
                   trace_path: str | None = None, seed: int = 0) -> dict:
     """One batch size on an engine built for it: the row of the report (times in ms)."""
     import torch
 
-    from engine.sampling_params import SamplingParams
-
     core = llm.engine
     runner = core.runner
     on_cuda = runner.device.type == "cuda"
-    rng = random.Random(seed)
-    vocab = core.vocab_size
     # The first prompts decode while later ones are still prefilling (max_num_batched_tokens a
     # step): their token budget covers those steps too, or they finish inside the timed window.
     total = warmup + steps + profile_steps_n + 2 + prefill_steps(batch, context, core.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
     ids = [f"anatomy-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        core.add_request(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
     try:
-        _decode_steps_until_all_decoding(core, batch)
+        start_decoding(core, batch, context, total, seed)
         for _ in range(warmup):
             core.step()
         if on_cuda:
