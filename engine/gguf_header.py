@@ -18,6 +18,7 @@ import struct
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderTensor
 from gguf.quants import quant_shape_to_byte_shape
 
 GGUF_MAGIC = 0x46554747  # "GGUF" little-endian
@@ -81,7 +82,14 @@ class GGUFHeader:
 
     def __init__(self, path: str | os.PathLike):
         self.data = np.memmap(path, mode="r")
-        buf = self.data
+        try:
+            self._read(self.data)
+        except (struct.error, ValueError) as e:  # a length or offset past the end of the file, say
+            if isinstance(e, ValueError) and "GGUF" in str(e):
+                raise
+            raise ValueError(f"{os.fspath(path)}: not a readable GGUF file (truncated or corrupt: {e})") from None
+
+    def _read(self, buf) -> None:
         magic, version = struct.unpack_from("<II", buf, 0)
         if magic != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
@@ -127,8 +135,6 @@ class GGUFHeader:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"GGUF general.alignment {alignment} is not a power of two")
         start = -(-off // alignment) * alignment
-        from gguf.gguf_reader import ReaderTensor
-
         self.tensors = []
         seen = set()
         for name, dims, ggml_type, rel in infos:

@@ -98,3 +98,19 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="magic"):
         open_gguf(path)
+
+
+@pytest.mark.parametrize("keep", [100, 1200])  # cut inside the metadata, or inside the tensor data (1,664 bytes whole)
+def test_a_truncated_file_is_a_clear_error(tmp_path, keep):
+    path = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strs", ["x" * 40] * 10)
+    w.add_tensor("x", np.zeros((16, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        open_gguf(cut)
