@@ -20,7 +20,7 @@ LAYERS = [
     ("runner", ["engine.model_runner", "engine.step_inputs", "engine.cuda_graphs", "engine.sampler",
                 "engine.structured_output", "engine.host_memory"]),
     ("models", ["engine.models", "engine.loader", "engine.weights", "engine.safetensors_slices", "engine.gguf_loader",
-                "engine.default_model", "engine.user_cache"]),
+                "engine.gguf_header", "engine.default_model", "engine.user_cache"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
     ("distributed", ["engine.distributed"]),
     # planning is plain arithmetic: the engine sizes its KV cache with it (its CLI is an entry point).
