@@ -1055,12 +1055,11 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // op and in their order, without the ~250 us of Python and dispatch those modules cost per layer
 // on a slow core (a third of a single-sequence decode step there). The quantized matmul is
 // kernels/cpu_quant.cpp's linear_f32, or its linear_q8 / linear_q16 for a weight whose format
-// carries kInt8Activations / kInt16Activations, reached through the addresses that module hands out
-// (both are built against the same libtorch). Per layer, 9 weights: [input norm, qkv, o, post-attention
-// norm, gate_up, down, qkv bias (Qwen2), q norm, k norm (Qwen3)], an empty tensor where the model
-// has none; formats [qkv, o, gate_up, down] (a GGUF block format, or kPlainWeight / kPackedWeight);
-// caches [key, value] (the physical tensors);
-// kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this path is the
+// carries kInt8Activations / kInt16Activations, reached through the addresses that module hands
+// out (both are built against the same libtorch). Per layer, 9 weights: [input norm, qkv, o,
+// post-attention norm, gate_up, down, qkv bias (Qwen2), q norm, k norm (Qwen3)], an empty tensor
+// where the model has none; formats [qkv, o, gate_up, down] (a GGUF block format, or kPlainWeight /
+// kPackedWeight); caches [key, value] (the physical tensors); kv_scales [k_scale, v_scale]. engine/models/cpu_fused_layers.py decides when this path is the
 // modules' path (dense MLP, one rank, the register kernel's rows) and checks it against them.
 using LinearFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
 constexpr size_t kLayerWeights = 9;
@@ -1072,12 +1071,14 @@ constexpr int64_t kPlainWeight = -1, kPackedWeight = -2;
 // (linear_q16), as engine/models/cpu_fused_layers.py's ACTIVATION_CODES says.
 constexpr int64_t kInt8Activations = 256, kInt16Activations = 512;
 
-// x @ w^T (+ bias) exactly as the module's matmul computes it: GGUF blocks through linear_f32 (or
-// the integer-activation kernel its format code names) with the bias added in place after, float weights through the same ATen / oneDNN op with the bias in it.
+// cpu_quant.cpp's block-format matmuls: float activations, int8 ones and int16 ones.
 struct Linears {
   LinearFn f32, q8, q16;
 };
 
+// x @ w^T (+ bias) exactly as the module's matmul computes it: GGUF blocks through linear_f32 (or
+// the integer-activation kernel its format code names) with the bias added in place after, float
+// weights through the same ATen / oneDNN op with the bias in it.
 at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                         const at::Tensor& bias) {
   const bool has_bias = bias.defined() && bias.numel();

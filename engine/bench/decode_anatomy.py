@@ -156,6 +156,11 @@ def _decode_steps_until_all_decoding(core, batch: int) -> None:
                 started.add(out.request_id)
 
 
+def request_ids(batch: int) -> list[str]:
+    """The ids start_decoding gives a batch's requests (known before they are added, to abort them)."""
+    return [f"anatomy-{batch}-{i}" for i in range(batch)]
+
+
 def start_decoding(core, batch: int, context: int, max_tokens: int, seed: int = 0) -> list[str]:
     """Add `batch` requests of `context` random prompt tokens (greedy, EOS ignored, max_tokens new
     tokens each) and step until every one is decoding; their request ids."""
@@ -163,7 +168,7 @@ def start_decoding(core, batch: int, context: int, max_tokens: int, seed: int = 
 
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"anatomy-{batch}-{i}" for i in range(batch)]  # measure_batch aborts these by name
+    ids = request_ids(batch)
     for rid in ids:
         core.add_request(rid, [rng.randrange(3, core.vocab_size) for _ in range(context)], params)
     _decode_steps_until_all_decoding(core, batch)
@@ -181,7 +186,7 @@ def measure_batch(llm, batch: int, context: int, steps: int, profile_steps_n: in
     # The first prompts decode while later ones are still prefilling (max_num_batched_tokens a
     # step): their token budget covers those steps too, or they finish inside the timed window.
     total = warmup + steps + profile_steps_n + 2 + prefill_steps(batch, context, core.config.max_num_batched_tokens)
-    ids = [f"anatomy-{batch}-{i}" for i in range(batch)]
+    ids = request_ids(batch)
     try:
         start_decoding(core, batch, context, total, seed)
         for _ in range(warmup):
