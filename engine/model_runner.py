@@ -163,7 +163,7 @@ class ModelRunner:
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
-        pack_weights(self.model, self.backend.pack_linear_weight)
+        pack_weights(self.model, self.backend)
         pack_experts(self.model, self.backend.pack_moe_weights)
         self._quantized_activations(source)
         self._fuse_cpu_layers()
@@ -223,14 +223,23 @@ class ModelRunner:
                                      device=self.device, kv_cache_dtype=self.kv_dtype,
                                      hidden_size=self.model.config.hidden_size, intermediate_sizes=tuple(sorted(ffn)),
                                      qk_norm=attn.qk_norm)
-        # Quantized linears (kernels/triton_quant.py): every tile and K split up to a full token budget.
+        # Quantized linears (kernels/triton_quant.py on GGUF blocks, triton_quant_packed.py on their
+        # repacked copies): every tile and K split up to a full token budget.
         from engine.layers.linear import RowParallelLinear
-        from kernels import triton_quant
+        from kernels import triton_quant, triton_quant_packed
 
-        quantized = [(m.quant_format.name, m.weight,
-                      None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None))  # its matmul's bias
-                     for m in self.model.modules() if getattr(m, "quant_format", None) is not None]
-        launches += triton_quant.warmup(quantized, self.dtype, self.device, self.config.max_num_batched_tokens)
+        blocks, packed = [], []
+        for m in self.model.modules():
+            if getattr(m, "quant_format", None) is None:
+                continue
+            bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)  # its matmul's bias
+            if getattr(m, "packed_weight", None) is not None:
+                packed.append((m.packed_weight, bias))
+            else:
+                blocks.append((m.quant_format.name, m.weight, bias))
+        budget = self.config.max_num_batched_tokens
+        launches += triton_quant.warmup(blocks, self.dtype, self.device, budget)
+        launches += triton_quant_packed.warmup(packed, self.dtype, self.device, budget)
         logger.info("Triton kernels compiled for every step shape: %d launches, %.1f s", launches,
                     time.perf_counter() - start)
 

@@ -3,8 +3,11 @@
 W is kept as engine/quant stores it: uint8 [N, K / block_size * block_bytes], each row its blocks in
 order (Q8_0, Q4_0, Q4_1, F8_E4M3: 32 weights a block; Q4_K, Q6_K: super-blocks of 256).
 `--quantization int8` gives Q8_0 blocks, `int4` Q4_1, GPTQ / AWQ / compressed-tensors Q4_0 / Q4_1 /
-Q8_0; fp8 weights are F8_E4M3 blocks (engine/quant/fp8.py: a float32 scale, then 32 e4m3 bytes). e4m3 is decoded with
-integer operations rather than Triton's fp8 conversions, which need sm_89+: Ampere runs it too.
+Q8_0; fp8 weights are F8_E4M3 blocks (engine/quant/fp8.py: a float32 scale, then 32 e4m3 bytes).
+The engine's triton backend multiplies Q8_0 / Q4_0 / Q4_1 through their repacked copies instead
+(triton_quant_packed.py: 1.0-2.5x this kernel's speed at 1 and 16 rows on an H100); here the engine
+runs the K-quants and fp8. e4m3 is decoded with integer operations rather than Triton's fp8
+conversions, which need sm_89+: Ampere runs it too.
 
 The shape of vLLM's and SGLang's Triton weight-only GEMMs: a program owns a BLOCK_M x BLOCK_N tile
 of y, steps along K in whole scale groups (32 weights; Q6_K's 16), loads the step's raw bytes,
@@ -193,8 +196,9 @@ def tiles(num_tokens: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A decode batch is a weight-streaming
     GEMV: the fewest rows tl.dot takes (16), narrow column tiles for more programs, long K steps;
     a prefill a GEMM with 64-row tiles. BLOCK_K is whole scale groups. (A CUDA-core GEMV for one
-    row, reading each weight row as 16-bit words, lost to this tile inside a batch-1 step on an
-    H200: 1.44 ms against 1.24 ms over a 1B model's 64 matmuls; BENCHMARKS.md, session 12.)"""
+    row, reading each weight row of these blocks as 16-bit words, lost to this tile inside a
+    batch-1 step on an H200: 1.44 ms against 1.24 ms over a 1B model's 64 matmuls; BENCHMARKS.md,
+    session 12. On the repacked layout of triton_quant_packed.py a one-row kernel wins.)"""
     if num_tokens <= 16:
         return 16, 32, max(128, group), 4, 3
     if num_tokens <= 64:

@@ -68,7 +68,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         backend = get_forward_context().backend
         if self.quant_format is not None:
-            local = self.quant_format.linear(hidden, self.weight, None, backend.name, self.activations)
+            local = self.quant_format.linear(hidden, self.weight, None, backend.name, self.activations,
+                                             self.packed_weight)
         else:
             local = backend.linear(hidden, self.weight, None, self.packed_weight)
         logits = tp_all_gather_last_dim(local)

@@ -10,7 +10,6 @@ multiplied by the format's matmul for the step's backend."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,16 +21,19 @@ from engine.quant import BlockFormat, QuantizedTensor
 logger = logging.getLogger(__name__)
 
 
-def pack_weights(model: nn.Module, pack_linear_weight: Callable) -> None:
-    """Give every matmul weight of the model its packed copy (the backend's pack_linear_weight),
-    once the checkpoint is loaded, and free the plain copy where nothing else reads it (a tied LM
-    head shares its weight with the embedding, which keeps it)."""
+def pack_weights(model: nn.Module, backend) -> None:
+    """Give every matmul weight of the model its packed copy for `backend`, once the checkpoint is
+    loaded: float weights the backend's pack_linear_weight, quantized blocks their format's pack
+    (the triton backend repacks 4/8-bit blocks for the GPU). The plain copy is freed where nothing
+    else reads it (a tied LM head shares its weight with the embedding, which keeps it)."""
     unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
                       for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if not hasattr(module, "packed_weight") or getattr(module, "quant_format", None) is not None:
-            continue  # a quantized weight stays as its blocks: its format's matmul reads them
-        module.packed_weight = pack_linear_weight(module.weight)
+        if not hasattr(module, "packed_weight"):
+            continue
+        fmt = getattr(module, "quant_format", None)
+        module.packed_weight = (backend.pack_linear_weight(module.weight) if fmt is None
+                                else fmt.pack(module.weight, backend.name))
         if module.packed_weight is not None and id(module.weight) not in unpacked_users:
             module.weight.data = module.weight.data.new_empty(0)
     logger.info("weights resident: %s", weight_bytes_summary(model))
@@ -39,7 +41,7 @@ def pack_weights(model: nn.Module, pack_linear_weight: Callable) -> None:
 
 def weight_bytes_summary(model: nn.Module) -> str:
     """The weights' resident bytes: distinct parameter storages plus packed copies, with the
-    share held as quantized blocks."""
+    share held quantized (as GGUF blocks or their repacked copies)."""
     storages = {}
     for p in model.parameters():
         storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
@@ -51,15 +53,15 @@ def weight_bytes_summary(model: nn.Module) -> str:
             seen.add(m.weight.data_ptr())
             entry = quantized.setdefault(m.quant_format.name, [0, 0])
             entry[0] += 1
-            entry[1] += m.weight.numel()
+            packed = getattr(m, "packed_weight", None)
+            entry[1] += m.weight.nbytes + (packed.nbytes if packed is not None else 0)
     parts = ", ".join(f"{n} matrices {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
-    return f"{total / 2**20:.1f} MiB" + (f" (as GGUF blocks: {parts})" if parts else "")
+    return f"{total / 2**20:.1f} MiB" + (f" (quantized: {parts})" if parts else "")
 
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the packed weights pack_weights made (not among the model's parameters)."""
-    return sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in model.modules()
-               if getattr(m, "packed_weight", None) is not None)
+    return sum(m.packed_weight.nbytes for m in model.modules() if getattr(m, "packed_weight", None) is not None)
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -116,7 +118,7 @@ class _Linear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         backend = get_forward_context().backend
         if self.quant_format is not None:
-            return self.quant_format.linear(x, self.weight, bias, backend.name, self.activations)
+            return self.quant_format.linear(x, self.weight, bias, backend.name, self.activations, self.packed_weight)
         return backend.linear(x, self.weight, bias, self.packed_weight)
 
 

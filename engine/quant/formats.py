@@ -109,12 +109,24 @@ class BlockFormat:
         n = blocks.shape[0]
         return self._dequantize(blocks.reshape(n, -1, self.block_bytes)).reshape(n, -1)
 
+    def pack(self, blocks: torch.Tensor, backend: str):
+        """The backend's own copy of these blocks for its matmul, or None where it reads them as
+        stored: the triton backend repacks Q8_0 / Q4_0 / Q4_1 into 32-bit words and separate scales,
+        which a GPU loads whole (kernels/triton_quant_packed.py); the blocks can then be freed."""
+        if backend == "triton" and self.name in _triton_packed().FORMATS and _triton_kernels().supports(
+                self.name, blocks):
+            return _triton_packed().pack(blocks, self.name)
+        return None
+
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, backend: str,
-               activations: str | None = None) -> torch.Tensor:
-        """x @ dequantize(blocks)^T + bias in x.dtype: the cpu backend's C++ kernels (activations
-        "int16" / "int8": x quantized so per block at small steps, kernels/cpu_quant.py), the
-        triton backend's kernel (kernels/triton_quant.py, on CUDA or under the interpreter), else
-        the reference (dequantize each call, then F.linear: correct anywhere, not fast)."""
+               activations: str | None = None, packed=None) -> torch.Tensor:
+        """x @ dequantize(blocks)^T + bias in x.dtype: through `packed` where pack() made one
+        (blocks may then be empty), the cpu backend's C++ kernels (activations "int16" / "int8": x
+        quantized so per block at small steps, kernels/cpu_quant.py), the triton backend's kernel
+        (kernels/triton_quant.py, on CUDA or under the interpreter), else the reference
+        (dequantize each call, then F.linear: correct anywhere, not fast)."""
+        if packed is not None:
+            return _triton_packed().packed_linear(x, packed, bias)
         if backend == "cpu" and _cpu_kernels() is not None:
             return _cpu_kernels().linear(x, blocks, self.name, bias, activations)
         if backend == "triton" and _triton_kernels().supports(self.name, x):
@@ -157,3 +169,10 @@ def _triton_kernels():
     from kernels import triton_quant
 
     return triton_quant
+
+
+@functools.cache
+def _triton_packed():
+    from kernels import triton_quant_packed
+
+    return triton_quant_packed

@@ -2,7 +2,7 @@
 
 Run as a script in a process without TRITON_INTERPRET (the test does that): the interpreter
 accepts programs the GPU compiler rejects, so CPU-only machines also build the real binaries.
-Each launch kernels/triton_ops.py, triton_moe.py and triton_quant.py make is recorded instead of
+Each launch kernels/triton_ops.py, triton_moe.py, triton_quant.py and triton_quant_packed.py make is recorded instead of
 run, then compiled with the same arguments, constexprs, specialisations and launch options. The
 start-up warm-up (triton_ops.warmup) is recorded too; `--all-warmup-variants` records every
 variant it compiles on a GPU instead (slow). Prints one line per binary; exits non-zero on failure.
@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_moe, triton_ops, triton_quant
+from kernels import triton_moe, triton_ops, triton_quant, triton_quant_packed
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                  torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
@@ -88,6 +88,8 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
     for name in ("quant_matmul_kernel", "sum_splits_kernel"):
         setattr(triton_quant, name, Recorder(getattr(triton_quant, name), calls))
+    for name in ("gemv_kernel", "dot_kernel", "sum_splits_kernel"):
+        setattr(triton_quant_packed, name, Recorder(getattr(triton_quant_packed, name), calls))
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
     llama_1b = dict(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, max_model_len=8192,
@@ -129,6 +131,10 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
         # decode (split-K partials on 132 SMs); int8's and int4's formats at the prefill tiles too
         for num_tokens in (1, 40, 512) if fmt in ("Q8_0", "Q4_1") else (1,):
             triton_quant.quant_linear(torch.empty(num_tokens, 2048, dtype=torch.bfloat16), blocks, fmt)
+        if fmt in triton_quant_packed.FORMATS:  # the triton backend's repacked copy: each kernel and row tile
+            packed = triton_quant_packed.pack(torch.zeros_like(blocks), fmt)
+            for num_tokens in (1, 2, 3, 16, 40, 512):
+                triton_quant_packed.packed_linear(torch.empty(num_tokens, 2048, dtype=torch.bfloat16), packed)
     triton_ops.warmup(**dict(llama_1b, max_model_len=256))
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None:
@@ -144,15 +150,21 @@ def check_steps_after_warmup() -> int:
     prefill chunks, block tables 1 to 128 blocks wide, metadata at 8-byte offsets into a staging
     buffer as engine/step_inputs.py lays it out), laid out as the model lays out its tensors, and
     compare what triton.jit would cache each by. Prints every launch that would compile anew.
-    Quantized linears likewise: triton_quant.warmup's launches for a 1B model's int4 / int8 layer
-    shapes (and a Q6_K LM head), then those layers at 1 to 2048 rows."""
+    Quantized linears likewise: the warm-ups' launches for a 1B model's int4 / int8 layer shapes
+    (repacked: triton_quant_packed) and a Q6_K LM head (blocks: triton_quant), then those layers at
+    1 to 2048 rows."""
     calls = record_launches(warmup_only=True)
-    quant_layers = []
+    quant_layers, packed_layers = [], []  # GGUF blocks (Q6_K), repacked copies (the rest), as the runner holds them
     for fmt, n, k in (("Q4_1", 3072, 2048), ("Q4_1", 2048, 2048), ("Q4_1", 16384, 2048), ("Q8_0", 2048, 8192),
                       ("Q6_K", 128256, 2048)):
         _, _, block, block_bytes = triton_quant.FORMATS[fmt]
-        quant_layers.append((fmt, torch.empty(n, k // block * block_bytes, dtype=torch.uint8), None))
+        blocks = torch.zeros(n, k // block * block_bytes, dtype=torch.uint8)
+        if fmt in triton_quant_packed.FORMATS:
+            packed_layers.append((triton_quant_packed.pack(blocks, fmt), None))
+        else:
+            quant_layers.append((fmt, blocks, None))
     triton_quant.warmup(quant_layers, torch.bfloat16, "cpu", max_num_tokens=2048)
+    triton_quant_packed.warmup(packed_layers, torch.bfloat16, "cpu", max_num_tokens=2048)
     warm = {job_key(kernel, args, kwargs) for kernel, args, kwargs, _ in calls}
     heads, kv_heads, head_dim, block_size, hidden, inter = 32, 8, 64, 16, 2048, 8192
     dtype = torch.bfloat16
@@ -181,6 +193,8 @@ def check_steps_after_warmup() -> int:
         for fmt, blocks, _ in quant_layers:
             k = blocks.shape[1] // triton_quant.FORMATS[fmt][3] * triton_quant.FORMATS[fmt][2]
             triton_quant.quant_linear(torch.empty(num_tokens, k, dtype=dtype), blocks, fmt)
+        for packed, _ in packed_layers:
+            triton_quant_packed.packed_linear(torch.empty(num_tokens, packed.shape[1], dtype=dtype), packed)
     new = 0
     for kernel, args, kwargs, _ in calls:
         if job_key(kernel, args, kwargs) not in warm:

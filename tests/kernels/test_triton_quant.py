@@ -204,12 +204,16 @@ def test_warmup_launches_each_plan_once_per_layer_shape(triton_quant, monkeypatc
 @pytest.mark.parametrize("method, group_size", [("int8", 128), ("int4", 32)])
 def test_engine_greedy_triton_equals_torch(triton_quant, tmp_path, monkeypatch, method, group_size):
     """A tiny Llama quantized at load: the triton backend (attention and the quantized matmuls in
-    Triton) gives the greedy tokens of the torch backend (dequantize, then F.linear)."""
+    Triton, on the blocks' repacked copies) gives the greedy tokens of the torch backend
+    (dequantize, then F.linear)."""
     path = build_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2)
-    formats = []
-    kernel = triton_quant.quant_linear
-    monkeypatch.setattr(triton_quant, "quant_linear", lambda *a, **kw: formats.append(a[2]) or kernel(*a, **kw))
+    from kernels import triton_quant_packed
+
+    formats = []  # the triton backend multiplies the repacked copies of Q8_0 / Q4_1 blocks
+    kernel = triton_quant_packed.packed_linear
+    monkeypatch.setattr(triton_quant_packed, "packed_linear",
+                        lambda x, w, *a, **kw: formats.append(w.format) or kernel(x, w, *a, **kw))
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 21)]
     # DEVICE: the Triton kernels are compiled for CUDA where there is a GPU and take no CPU tensors.

@@ -1,0 +1,311 @@
+"""Triton weight-only matmul on GPU-repacked 4- and 8-bit weights: y = x @ dequantize(W)^T (+ bias).
+
+GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1: engine/quant/formats.py) interleave an fp16 scale (and
+min) with 16 or 32 bytes of codes in 18-, 20- or 34-byte blocks. A GPU kernel reading them must
+load byte by byte (no block is 4-byte aligned), one load instruction per weight or so: the
+tl.dot kernel on them (triton_quant.py) streamed the 4-bit bytes at 0.5 TB/s on an H200, its load
+units the bottleneck. So the triton backend repacks them once at load (`pack`), into the layout
+GPTQ-style GPU kernels read:
+
+    words  int32 [K / P, N]   P = 32 / BITS codes a word (8 nibbles, or 4 bytes), code j of word r
+                              of column n in bits BITS*j.. : weight k = r * P + j of output row n
+    scales fp16  [2, K / 32, N]  the block's d, then its min m (Q4_1; unused otherwise)
+
+Codes are unsigned: a weight is d * u + m with m = -8 d (Q4_0), -128 d (Q8_0: its int8 + 128),
+or the block's own min (Q4_1). In float32, d * u is exact (an 11-bit by 8-bit product), so
+d * u + m rounds once, as engine.quant's dequantize does; the value is the same.
+
+Consecutive columns' words are adjacent: a warp loads whole 16-byte runs of words, 32 weights a
+thread a load. Two kernels read the layout:
+- `gemv`: one row (batch-1 decode), on CUDA cores, no tensor-core padding to 16 rows. Each program
+  owns BLOCK_N columns and a split of K; per word it accumulates s = sum_j x[k] u_j in float32, and
+  applies the block's d * s + m * sum_j x[k] (the scale factored out of the block's sum).
+- `dot`: more rows: dequantizes a [BLOCK_K, BLOCK_N] tile to x's dtype and feeds tl.dot.
+Both write float32 partials when K is split (summed by triton_quant.sum_splits_kernel). Nothing
+is read back from the GPU: a step calling them can be captured in a CUDA graph.
+
+Measured (H100, BENCHMARKS.md session 13): the one-row kernel streams a 16384 x 2048 int4 weight at
+1.34 TB/s (the GGUF-block kernel 0.55), and a batch-1 decode step of a Llama-3.2-1B shape runs
+1.18x the bf16 step's tokens/s with int4 weights (0.62x on the blocks), 1.05x with int8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import triton_ops, triton_quant
+from kernels.triton_quant import SUM_SPLITS_BLOCK, sum_splits_kernel
+
+# format name -> (bits a code, offset: m = -offset * d; None: the block stores its min)
+FORMATS = {"Q8_0": (8, 128.0), "Q4_0": (4, 8.0), "Q4_1": (4, None)}
+GROUP_SIZE = 32  # weights a scale covers (a GGUF block)
+GROUP = tl.constexpr(GROUP_SIZE)  # the same, for the kernels (a plain global would not compile)
+# Split K until this many programs per SM run. 2, with GEMV_TILE below: the best of 54 tiles x split
+# targets for a 1B model's four one-row matmuls on an H100 (BENCHMARKS.md, session 13).
+PROGRAMS_PER_SM = 2
+MAX_SPLIT_K = 32
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A 32-weight block format repacked for the GPU kernels (layout in the module docstring)."""
+
+    words: torch.Tensor  # int32 [K / P, N]
+    scales: torch.Tensor  # fp16 [2, K / 32, N]: d, then m (zeros where the format has none)
+    format: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[1], self.scales.shape[1] * GROUP_SIZE
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.scales.numel() * 2
+
+
+def pack(blocks: torch.Tensor, fmt_name: str) -> PackedWeight:
+    """GGUF blocks uint8 [N, K / 32 * block bytes] of a 32-weight format -> PackedWeight, on their device."""
+    bits, offset = FORMATS[fmt_name]
+    block_bytes = triton_quant.FORMATS[fmt_name][3]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, block_bytes)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, K / 32]
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0] if offset is None else torch.zeros_like(d)
+    if bits == 4:
+        qs = b[..., block_bytes - 16:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # a block's weights 0..15 low nibbles, 16..31 high
+    else:
+        codes = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    per_word = 32 // bits
+    codes = codes.reshape(n, -1, per_word).to(torch.int64)  # [N, K / P, P]
+    shifts = torch.arange(per_word, device=blocks.device, dtype=torch.int64) * bits
+    words = (codes << shifts).sum(-1)  # < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return PackedWeight(words.t().contiguous(), torch.stack([d.t(), m.t()]).contiguous(), fmt_name)
+
+
+@triton.jit
+def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr):
+    """x[k] * u for code j of each word [WORDS, BLOCK_N] (its inputs at x_ptrs + j [WORDS]), and x[k].
+
+    The code is turned into a float without a shift or an int->float convert: masked in place
+    (bits BITS*j..), OR'ed under the exponent of 2^23 and 2^23 subtracted, which gives u * 2^(BITS*j)
+    exactly while it stays in the 23 mantissa bits (the caller hands codes above bit 15 over as
+    words >> 16); x is scaled by 2^-(BITS*j) instead, also exactly. Two ALU ops a code (the mask
+    and OR fuse into one LOP3) where a shift, mask and convert take three, one of them slow."""
+    x = tl.load(x_ptrs + j, mask=w_in, other=0.0).to(tl.float32)
+    u = ((words & (((1 << BITS) - 1) << (BITS * j))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (x * (1.0 / (1 << (BITS * j))))[:, None] * u, x
+
+
+@triton.jit(do_not_specialize=["stride_split"])
+def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_split,
+                BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """One row: out[n] = sum_k x[k] w[n, k] (+ bias) over this program's split of K (axis 1); in
+    out's dtype, or, PARTIAL, float32 partials at out + split * stride_split, no bias. A step is
+    WORDS word rows [WORDS, BLOCK_N], every tensor in the words' layout (a thread's columns
+    adjacent): per word s = sum_j x[k] u_j, then acc += d s + m sum_j x[k] (the block's scale
+    factored out of its sum); one reduction over the word rows at the end."""
+    P: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = P // 2  # codes in each 16-bit half of a word
+    WPG: tl.constexpr = GROUP // P  # words a block spans
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < N
+    r = tl.arange(0, WORDS)
+    first = tl.program_id(1) * k_per_split
+    last = tl.minimum(first + k_per_split, K)
+    num_groups = K // GROUP
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(first, last, WORDS * P):
+        wr = k0 // P + r
+        w_in = wr < last // P
+        mask = w_in[:, None] & col_in[None, :]
+        words = tl.load(words_ptr + wr.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+        high = words >> 16
+        x_ptrs = x_ptr + wr * P
+        s = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((WORDS,), dtype=tl.float32)
+        for j in tl.static_range(HALF):
+            p, x = _code_products(x_ptrs, w_in, words, j, BITS)
+            s += p
+            xs += x
+            p, x = _code_products(x_ptrs + HALF, w_in, high, j, BITS)
+            s += p
+            xs += x
+        s_ptrs = scales_ptr + (wr // WPG).to(tl.int64)[:, None] * N + cols[None, :]
+        d = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MIN:
+            mn = tl.load(s_ptrs + num_groups * N, mask=mask, other=0.0).to(tl.float32)
+        else:
+            mn = -OFFSET * d
+        acc += d * s + mn * xs[:, None]
+    y = tl.sum(acc, axis=0)
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y, mask=col_in)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_in)
+
+
+@triton.jit(do_not_specialize=["M", "stride_split"])
+def dot_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_out,
+               stride_split, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """As gemv_kernel, on tensor cores: BLOCK_M rows (>= 16) a program, the weight tile dequantized
+    to x's dtype (as engine.quant rounds it) for tl.dot."""
+    P: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // P
+    G: tl.constexpr = WORDS // WPG  # blocks a step
+    BLOCK_K: tl.constexpr = WORDS * P
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in, col_in = rows < M, cols < N
+    first = tl.program_id(2) * k_per_split
+    last = tl.minimum(first + k_per_split, K)
+    num_groups = K // GROUP
+    shifts = (tl.arange(0, P) * BITS)[None, None, :, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(first, last, BLOCK_K):
+        g = k0 // GROUP + tl.arange(0, G)
+        g_in = g < last // GROUP
+        wr = (g * WPG)[:, None] + tl.arange(0, WPG)[None, :]  # [G, WPG]
+        words = tl.load(words_ptr + wr.to(tl.int64)[:, :, None] * N + cols[None, None, :],
+                        mask=g_in[:, None, None] & col_in[None, None, :], other=0)
+        u = ((words[:, :, None, :] >> shifts) & ((1 << BITS) - 1)).to(tl.float32)  # [G, WPG, P, BLOCK_N]
+        s_ptrs = scales_ptr + g.to(tl.int64)[:, None] * N + cols[None, :]
+        g_mask = g_in[:, None] & col_in[None, :]
+        d = tl.load(s_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+        if HAS_MIN:
+            mn = tl.load(s_ptrs + num_groups * N, mask=g_mask, other=0.0).to(tl.float32)
+        else:
+            mn = -OFFSET * d
+        w = d[:, None, None, :] * u + mn[:, None, None, :]
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+        k_in = k0 + tl.arange(0, BLOCK_K) < last
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                    mask=row_in[:, None] & k_in[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    out_mask = row_in[:, None] & col_in[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    if PARTIAL:
+        tl.store(out_ptrs + tl.program_id(2).to(tl.int64) * stride_split, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    kernel: str  # "gemv" or "dot"
+    block_m: int
+    block_n: int
+    words: int  # word rows a K step
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    k_per_split: int  # weights of K a split covers: whole steps
+
+
+GEMV_MAX_ROWS = 1  # rows the CUDA-core kernel takes; more go to tensor cores
+# The CUDA-core kernel's tile: (BLOCK_N, weights of K a step, num_warps, num_stages). Narrow column
+# tiles and long K steps: 43 us for the four matmuls of a 1B layer at one row on an H100, against
+# 57 us for the tensor-core kernel's 16-row tile and 85 us for the GGUF-block kernel.
+GEMV_TILE = (64, 256, 8, 2)
+
+
+def tiles(num_tokens: int, bits: int) -> tuple[str, int, int, int, int, int]:
+    """(kernel, BLOCK_M, BLOCK_N, WORDS, num_warps, num_stages) for num_tokens rows."""
+    per_word = 32 // bits
+    if num_tokens <= GEMV_MAX_ROWS:
+        block_n, k_step, num_warps, num_stages = GEMV_TILE
+        return "gemv", 1, block_n, k_step // per_word, num_warps, num_stages
+    if num_tokens <= 16:
+        return "dot", 16, 64, 128 // per_word, 4, 3
+    if num_tokens <= 64:
+        return "dot", 32, 64, 64 // per_word, 4, 3
+    return "dot", 64, 64, 64 // per_word, 4, 3
+
+
+def launch_plan(num_tokens: int, n: int, k: int, fmt_name: str, num_sms: int, *, num_splits: int | None = None,
+                config: tuple | None = None) -> LaunchPlan:
+    """The kernel, tiles and K split for num_tokens rows of an [n, k] packed weight (config: a
+    tiles() tuple to use instead, for benches)."""
+    bits = FORMATS[fmt_name][0]
+    kernel, bm, bn, words, num_warps, num_stages = config or tiles(num_tokens, bits)
+    step = words * (32 // bits)
+    num_steps = triton.cdiv(k, step)
+    if num_splits is None:
+        programs = triton.cdiv(num_tokens, bm) * triton.cdiv(n, bn)
+        num_splits = 1
+        while (num_splits < MAX_SPLIT_K and programs * num_splits * 2 <= PROGRAMS_PER_SM * num_sms
+               and num_steps >= num_splits * 2):
+            num_splits *= 2
+    k_per_split = triton.cdiv(num_steps, num_splits) * step
+    return LaunchPlan(kernel, bm, bn, words, num_warps, num_stages, num_splits, k_per_split)
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *,
+                  num_splits: int | None = None, config: tuple | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(w)^T + bias in x.dtype (engine.quant.reference_linear's values
+    within float32 accumulation). num_splits / config override the heuristics (tests, benches)."""
+    bits, offset = FORMATS[w.format]
+    n, k = w.shape
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} inputs, the {w.format} weight {k}"
+    assert bias is None or bias.shape == (n,) and bias.stride(0) == 1
+    triton_ops._check_device(x)
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    plan = launch_plan(m, n, k, w.format, triton_ops._num_sms(x.device), num_splits=num_splits, config=config)
+    partial = plan.num_splits > 1
+    dest = torch.empty(plan.num_splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    bias_arg = bias if bias is not None else out
+    meta = dict(BITS=bits, OFFSET=offset or 0.0, HAS_MIN=offset is None, HAS_BIAS=bias is not None,
+                PARTIAL=partial, BLOCK_N=plan.block_n, WORDS=plan.words, num_warps=plan.num_warps,
+                num_stages=plan.num_stages)
+    if plan.kernel == "gemv":
+        assert m == 1, "the CUDA-core kernel takes one row"
+        gemv_kernel[(triton.cdiv(n, plan.block_n), plan.num_splits)](
+            x2, w.words, w.scales, bias_arg, dest, n, k, plan.k_per_split, n, **meta)
+    else:
+        grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.num_splits)
+        dot_kernel[grid](x2, w.words, w.scales, bias_arg, dest, m, n, k, plan.k_per_split, x2.stride(0), n, m * n,
+                         BLOCK_M=plan.block_m, **meta,
+                         # float32 is for tests: keep it exact instead of TF32 on tensor cores
+                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if partial:
+        sum_splits_kernel[(triton.cdiv(m * n, SUM_SPLITS_BLOCK),)](
+            out, dest, bias if bias is not None else out, m * n, n, NUM_SPLITS=plan.num_splits,
+            HAS_BIAS=bias is not None, BLOCK=SUM_SPLITS_BLOCK)
+    return out.view(*x.shape[:-1], n)
+
+
+def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_tokens: int) -> int:
+    """Compile, before serving, every binary packed_linear can pick for these layers at 1 to
+    max_num_tokens rows: `layers` yields (PackedWeight, bias or None); per distinct shape one launch
+    for each launch plan a row count maps to. Returns the launches made."""
+    shapes = {}
+    for w, bias in layers:
+        shapes.setdefault((w.format, *w.shape, bias is not None), (w, bias))
+    num_sms = triton_ops._num_sms(torch.device(device))
+    launches = 0
+    for (fmt_name, n, k, _), (w, bias) in shapes.items():
+        plans = {}
+        for m in range(1, max_num_tokens + 1):
+            plans.setdefault(launch_plan(m, n, k, fmt_name, num_sms), m)
+        for m in plans.values():
+            packed_linear(torch.zeros(m, k, dtype=dtype, device=device), w, None if bias is None else bias.to(dtype))
+            launches += 1
+    return launches

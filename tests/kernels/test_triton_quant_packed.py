@@ -1,0 +1,98 @@
+"""The GPU-repacked 4/8-bit weight matmul (kernels/triton_quant_packed.py) against the oracle of
+test_triton_quant.py: gguf.quants.dequantize of the GGUF blocks that were repacked, rounded to x's
+dtype, then a float64 matmul. Both kernels (CUDA-core rows, tensor-core tiles), every split-K path
+(empty splits included), odd shapes (N = 45: part-filled column tiles; K of 5 or 13 blocks:
+part-filled K steps), and random bytes (every code bit, fp16 scales from subnormal up).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.kernel_cases import DEVICE, DTYPES
+from tests.kernels.test_triton_quant import check, quantized_weight, random_blocks
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(scope="module")
+def packed(triton_ops):
+    from kernels import triton_quant_packed
+
+    return triton_quant_packed
+
+
+def test_pack_is_lossless(packed):
+    """Repacking keeps every code and scale: unpacked again in torch, the weights are dequantize's."""
+    from engine.quant import FORMATS as BLOCK_FORMATS
+
+    for fmt in FORMATS:
+        blocks, w = random_blocks(fmt, 6, 64, seed=4)
+        p = packed.pack(blocks, fmt)
+        bits, offset = packed.FORMATS[fmt]
+        per_word = 32 // bits
+        shifts = torch.arange(per_word) * bits
+        codes = ((p.words.t()[..., None].to(torch.int64) & 0xFFFFFFFF) >> shifts) & ((1 << bits) - 1)
+        codes = codes.reshape(6, -1, 32).float()
+        d, m = p.scales.float().permute(0, 2, 1)[..., None]
+        m = m if offset is None else -offset * d
+        got = (d * codes + m).reshape(6, -1)
+        torch.testing.assert_close(got, torch.from_numpy(w), rtol=0, atol=0)
+        torch.testing.assert_close(got, BLOCK_FORMATS[fmt].dequantize(blocks), rtol=0, atol=0)
+        assert p.nbytes == 6 * 64 * bits // 8 + 2 * 6 * 2 * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_packed_linear_matches_dequantized_matmul(packed, fmt, m, dtype):
+    """1 row: the CUDA-core kernel; 3 and 17: tensor-core tiles (16 and 32 rows)."""
+    blocks, w = quantized_weight(fmt, 45, 5 * 32, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 5 * 32, generator=gen).to(dtype)
+    bias = torch.randn(45, generator=gen).to(dtype)
+    p = packed.pack(blocks.to(DEVICE), fmt)
+    assert packed.launch_plan(m, 45, 160, fmt, 1).kernel == ("gemv" if m <= packed.GEMV_MAX_ROWS else "dot")
+    check(packed.packed_linear(x.to(DEVICE), p, bias.to(DEVICE)), x, w, bias)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 70])
+def test_every_bit_of_every_packed_field(packed, fmt, m):
+    blocks, w = random_blocks(fmt, 70, 7 * 32, seed=m)
+    x = torch.randn(m, 7 * 32, generator=torch.Generator().manual_seed(2))
+    check(packed.packed_linear(x.to(DEVICE), packed.pack(blocks.to(DEVICE), fmt)), x, w, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("m", [1, 17])
+def test_split_k(packed, m, num_splits, dtype):
+    """13 blocks of K: 4 steps of either kernel; 8 splits leave splits empty (they write zeros)."""
+    fmt = "Q4_1" if m == 1 else "Q8_0"
+    blocks, w = quantized_weight(fmt, 45, 13 * 32, seed=num_splits)
+    gen = torch.Generator().manual_seed(num_splits)
+    x = torch.randn(m, 13 * 32, generator=gen).to(dtype)
+    bias = torch.randn(45, generator=gen).to(dtype)
+    got = packed.packed_linear(x.to(DEVICE), packed.pack(blocks.to(DEVICE), fmt), bias.to(DEVICE),
+                               num_splits=num_splits)
+    check(got, x, w, bias)
+
+
+def test_leading_dims_strided_rows_and_empty_batches(packed):
+    blocks, w = quantized_weight("Q4_1", 33, 96)
+    p = packed.pack(blocks.to(DEVICE), "Q4_1")
+    x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(0))[..., :96]
+    check(packed.packed_linear(x.to(DEVICE), p), x, w, None)
+    assert packed.packed_linear(torch.empty(0, 96, device=DEVICE), p).shape == (0, 33)
+
+
+def test_split_heuristic(packed):
+    """A decode GEMV of a 1B model's 2048 x 2048 on 132 SMs: 32 column tiles of 64, K split 8 ways
+    (one 256-weight step each) to reach 2 programs an SM; the interpreter's one SM never splits;
+    a prefill fills the GPU without splitting."""
+    plan = packed.launch_plan(1, 2048, 2048, "Q4_1", 132)
+    assert (plan.kernel, plan.block_n, plan.num_splits, plan.k_per_split) == ("gemv", 64, 8, 256)
+    assert packed.launch_plan(1, 2048, 2048, "Q4_1", 1).num_splits == 1
+    assert packed.launch_plan(1024, 2048, 2048, "Q4_1", 132).num_splits == 1
