@@ -1,7 +1,7 @@
 """Where a graph-replayed decode step spends its host time, and what weight-only quantization buys
 at batch 1 (a probe for one GPU lease; its output is the record).
 
-    python benchmarks/gpu/host_profile.py --model DIR [--quantizations int4,int8] [--steps 200]
+    python benchmarks/gpu/host_profile.py --model DIR [--quantizations int4,int8] [--steps 200] [--packed-tiles F]
 
 For each configuration (bf16, then each --quantizations kind): an engine built as
 engine.bench.decode_anatomy builds it, B requests prefilled, then timed decode steps (median ms,
@@ -121,7 +121,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--quantizations", default="int4,int8")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--packed-tiles", help="JSON of kernels.triton_quant_packed constants to set first "
+                                          "(packed_bench.py --best-json: its sweep's choice)")
     args = p.parse_args()
+    if args.packed_tiles:
+        from kernels import triton_quant_packed
+
+        with open(args.packed_tiles) as f:
+            for name, value in json.load(f).items():
+                setattr(triton_quant_packed, name, tuple(value) if isinstance(value, list) else value)
+        print(f"packed tiles: {args.packed_tiles}", flush=True)
     rows = []
     kinds = [None] + [q for q in args.quantizations.split(",") if q]
     for i, q in enumerate(kinds):
