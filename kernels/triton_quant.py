@@ -126,6 +126,21 @@ def _dequantize_tile(w_ptr, cols, col_in, stride_w, groups, group_in, FORMAT: tl
     return w
 
 
+@triton.jit
+def store_tile(out_ptr, bias_ptr, acc, rows, cols, row_in, col_in, stride_out, stride_split, PARTIAL: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """A program's float32 tile acc [rows, cols] of y: in out's dtype with the bias, or, PARTIAL, as
+    this K split's (program axis 2) float32 partial at out + split * stride_split, no bias."""
+    out_mask = row_in[:, None] & col_in[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    if PARTIAL:
+        tl.store(out_ptrs + tl.program_id(2).to(tl.int64) * stride_split, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["M", "stride_split"])  # batch-sized: a new batch size must not recompile
 def quant_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, groups_per_split, stride_x, stride_w, stride_out,
                         stride_split, FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
@@ -151,14 +166,7 @@ def quant_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, groups_per_spl
         k_in = g0 * GROUP + tl.arange(0, BLOCK_K) < last * GROUP
         x = tl.load(x_ptrs + g0 * GROUP, mask=row_in[:, None] & k_in[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    out_mask = row_in[:, None] & col_in[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    if PARTIAL:
-        tl.store(out_ptrs + tl.program_id(2).to(tl.int64) * stride_split, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(out_ptr, bias_ptr, acc, rows, cols, row_in, col_in, stride_out, stride_split, PARTIAL, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["total"])  # rows x N: batch-sized, like quant_matmul_kernel's M
@@ -233,6 +241,31 @@ def supports(fmt_name: str, x: torch.Tensor) -> bool:
     return fmt_name in FORMATS and (x.device.type == "cuda" or triton_ops.INTERPRETED)
 
 
+def rows_and_output(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as unit-stride rows [M, K], and the output [M, n] in x's dtype (both kernels' start)."""
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} inputs, the weight {k}"
+    assert bias is None or bias.shape == (n,) and bias.stride(0) == 1
+    triton_ops._check_device(x)
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+
+
+def partials(out: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """Where a kernel writes: `out`, or float32 partials [num_splits, M, N] when K is split."""
+    return out if num_splits == 1 else torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def sum_partials(out: torch.Tensor, dest: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = the partials' sum (+ bias), when dest holds partials (partials() made them)."""
+    if dest is not out:
+        total = out.numel()
+        sum_splits_kernel[(triton.cdiv(total, SUM_SPLITS_BLOCK),)](
+            out, dest, bias if bias is not None else out, total, out.shape[1], NUM_SPLITS=dest.shape[0],
+            HAS_BIAS=bias is not None, BLOCK=SUM_SPLITS_BLOCK)
+
+
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt_name: str, bias: torch.Tensor | None = None, *,
                  num_splits: int | None = None) -> torch.Tensor:
     """engine.quant.reference_linear on Triton: x [..., K] @ dequantize(blocks [N, row bytes])^T + bias,
@@ -241,53 +274,52 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt_name: str, bias: tor
     n = blocks.shape[0]
     k = blocks.shape[1] // block_bytes * block
     assert blocks.dtype == torch.uint8 and blocks.shape[1] % block_bytes == 0 and blocks.stride(1) == 1
-    assert x.shape[-1] == k, f"x has {x.shape[-1]} inputs, the {fmt_name} weight {k}"
-    assert bias is None or bias.shape == (n,) and bias.stride(0) == 1
-    triton_ops._check_device(x)
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, out = rows_and_output(x, n, k, bias)
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     plan = launch_plan(m, n, k, fmt_name, triton_ops._num_sms(x.device), num_splits)
-    partial = plan.num_splits > 1
-    dest = torch.empty(plan.num_splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    dest = partials(out, plan.num_splits)
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.num_splits)
     quant_matmul_kernel[grid](
         x2, blocks, bias if bias is not None else out, dest, m, n, k, plan.groups_per_split,
         x2.stride(0), blocks.stride(0), n, m * n,
         FORMAT=kind, GROUP=group, BLOCK=block, BLOCK_BYTES=block_bytes, HAS_BIAS=bias is not None,
-        PARTIAL=partial, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        PARTIAL=dest is not out, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         # float32 is for tests: keep it exact instead of TF32 on tensor cores.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if partial:
-        sum_splits_kernel[(triton.cdiv(m * n, SUM_SPLITS_BLOCK),)](
-            out, dest, bias if bias is not None else out, m * n, n, NUM_SPLITS=plan.num_splits,
-            HAS_BIAS=bias is not None, BLOCK=SUM_SPLITS_BLOCK)
+    sum_partials(out, dest, bias)
     return out.view(*x.shape[:-1], n)
+
+
+def warm_shapes(shapes: dict, plan, launch, dtype: torch.dtype, device: torch.device | str,
+                max_num_tokens: int) -> int:
+    """Per shape (key (format name, n, k, has bias) -> (weight, bias)): one launch(x, format name,
+    weight, bias) for each distinct plan(m, n, k, format name, SMs) over m = 1 to max_num_tokens rows (the
+    binaries differ by tile, by partial or final output, and by the split length's divisibility).
+    Returns the launches made."""
+    num_sms = triton_ops._num_sms(torch.device(device))
+    launches = 0
+    for (fmt_name, n, k, _), (weight, bias) in shapes.items():
+        plans = {}
+        for m in range(1, max_num_tokens + 1):
+            plans.setdefault(plan(m, n, k, fmt_name, num_sms), m)
+        for m in plans.values():
+            x = torch.zeros(m, k, dtype=dtype, device=device)
+            launch(x, fmt_name, weight, None if bias is None else bias.to(dtype))
+            launches += 1
+    return launches
 
 
 def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_tokens: int) -> int:
     """Compile, before serving, every binary quant_linear can pick for these layers at 1 to
     max_num_tokens rows: `layers` yields (format name, blocks, bias or None); per distinct shape one
-    launch for each tile and K-split plan a row count maps to (the binaries differ by tile, by
-    partial or final output, and by the split length's divisibility). Returns the launches made."""
+    launch for each tile and K-split plan a row count maps to. Returns the launches made."""
     shapes = {}
     for fmt_name, blocks, bias in layers:
         _, _, block, block_bytes = FORMATS[fmt_name]
         n, k = blocks.shape[0], blocks.shape[1] // block_bytes * block
         shapes.setdefault((fmt_name, n, k, bias is not None), (blocks, bias))
-    num_sms = triton_ops._num_sms(torch.device(device))
-    launches = 0
-    for (fmt_name, n, k, _), (blocks, bias) in shapes.items():
-        plans = {}
-        for m in range(1, max_num_tokens + 1):
-            plans.setdefault(launch_plan(m, n, k, fmt_name, num_sms), m)
-        for m in plans.values():
-            x = torch.zeros(m, k, dtype=dtype, device=device)
-            quant_linear(x, blocks, fmt_name, None if bias is None else bias.to(dtype))
-            launches += 1
-    return launches
+    return warm_shapes(shapes, launch_plan, lambda x, fmt_name, blocks, bias: quant_linear(x, blocks, fmt_name, bias),
+                       dtype, device, max_num_tokens)

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from kernels import triton_ops, triton_quant
-from kernels.triton_quant import SUM_SPLITS_BLOCK, sum_splits_kernel
 
 # format name -> (bits a code, offset: m = -offset * d; None: the block stores its min)
 FORMATS = {"Q8_0": (8, 128.0), "Q4_0": (4, 8.0), "Q4_1": (4, None)}
@@ -192,14 +191,8 @@ def dot_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, k_per_s
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :],
                     mask=row_in[:, None] & k_in[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    out_mask = row_in[:, None] & col_in[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    if PARTIAL:
-        tl.store(out_ptrs + tl.program_id(2).to(tl.int64) * stride_split, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    triton_quant.store_tile(out_ptr, bias_ptr, acc, rows, cols, row_in, col_in, stride_out, stride_split, PARTIAL,
+                            HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -258,19 +251,13 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     within float32 accumulation). num_splits / config override the heuristics (tests, benches)."""
     bits, offset = FORMATS[w.format]
     n, k = w.shape
-    assert x.shape[-1] == k, f"x has {x.shape[-1]} inputs, the {w.format} weight {k}"
-    assert bias is None or bias.shape == (n,) and bias.stride(0) == 1
-    triton_ops._check_device(x)
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, out = triton_quant.rows_and_output(x, n, k, bias)
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     plan = launch_plan(m, n, k, w.format, triton_ops._num_sms(x.device), num_splits=num_splits, config=config)
-    partial = plan.num_splits > 1
-    dest = torch.empty(plan.num_splits, m, n, dtype=torch.float32, device=x.device) if partial else out
+    dest = triton_quant.partials(out, plan.num_splits)
+    partial = dest is not out
     bias_arg = bias if bias is not None else out
     meta = dict(BITS=bits, OFFSET=offset or 0.0, HAS_MIN=offset is None, HAS_BIAS=bias is not None,
                 PARTIAL=partial, BLOCK_N=plan.block_n, WORDS=plan.words, num_warps=plan.num_warps,
@@ -285,10 +272,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
                          BLOCK_M=plan.block_m, **meta,
                          # float32 is for tests: keep it exact instead of TF32 on tensor cores
                          DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if partial:
-        sum_splits_kernel[(triton.cdiv(m * n, SUM_SPLITS_BLOCK),)](
-            out, dest, bias if bias is not None else out, m * n, n, NUM_SPLITS=plan.num_splits,
-            HAS_BIAS=bias is not None, BLOCK=SUM_SPLITS_BLOCK)
+    triton_quant.sum_partials(out, dest, bias)
     return out.view(*x.shape[:-1], n)
 
 
@@ -299,13 +283,5 @@ def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_token
     shapes = {}
     for w, bias in layers:
         shapes.setdefault((w.format, *w.shape, bias is not None), (w, bias))
-    num_sms = triton_ops._num_sms(torch.device(device))
-    launches = 0
-    for (fmt_name, n, k, _), (w, bias) in shapes.items():
-        plans = {}
-        for m in range(1, max_num_tokens + 1):
-            plans.setdefault(launch_plan(m, n, k, fmt_name, num_sms), m)
-        for m in plans.values():
-            packed_linear(torch.zeros(m, k, dtype=dtype, device=device), w, None if bias is None else bias.to(dtype))
-            launches += 1
-    return launches
+    return triton_quant.warm_shapes(shapes, launch_plan, lambda x, fmt_name, w, bias: packed_linear(x, w, bias),
+                                    dtype, device, max_num_tokens)

@@ -88,7 +88,7 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     triton_moe.grouped_gemm_kernel = Recorder(triton_moe.grouped_gemm_kernel, calls)
     for name in ("quant_matmul_kernel", "sum_splits_kernel"):
         setattr(triton_quant, name, Recorder(getattr(triton_quant, name), calls))
-    for name in ("gemv_kernel", "dot_kernel", "sum_splits_kernel"):
+    for name in ("gemv_kernel", "dot_kernel"):
         setattr(triton_quant_packed, name, Recorder(getattr(triton_quant_packed, name), calls))
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
