@@ -66,25 +66,32 @@ class PackedWeight:
         return self.words.numel() * 4 + self.scales.numel() * 2
 
 
+PACK_ROWS = 4096  # rows repacked at a time: the int64 staging of a 128K-vocabulary head would be GBs
+
+
 def pack(blocks: torch.Tensor, fmt_name: str) -> PackedWeight:
     """GGUF blocks uint8 [N, K / 32 * block bytes] of a 32-weight format -> PackedWeight, on their device."""
     bits, offset = FORMATS[fmt_name]
     block_bytes = triton_quant.FORMATS[fmt_name][3]
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, K / 32]
-    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0] if offset is None else torch.zeros_like(d)
-    if bits == 4:
-        qs = b[..., block_bytes - 16:]
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # a block's weights 0..15 low nibbles, 16..31 high
-    else:
-        codes = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    n, k = blocks.shape[0], blocks.shape[1] // block_bytes * GROUP_SIZE
     per_word = 32 // bits
-    codes = codes.reshape(n, -1, per_word).to(torch.int64)  # [N, K / P, P]
+    words = torch.empty(k // per_word, n, dtype=torch.int32, device=blocks.device)
+    scales = torch.zeros(2, k // GROUP_SIZE, n, dtype=torch.float16, device=blocks.device)
     shifts = torch.arange(per_word, device=blocks.device, dtype=torch.int64) * bits
-    words = (codes << shifts).sum(-1)  # < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return PackedWeight(words.t().contiguous(), torch.stack([d.t(), m.t()]).contiguous(), fmt_name)
+    for start in range(0, n, PACK_ROWS):
+        b = blocks[start:start + PACK_ROWS].reshape(-1, k // GROUP_SIZE, block_bytes)
+        rows = slice(start, start + b.shape[0])
+        scales[0, :, rows] = b[..., 0:2].contiguous().view(torch.float16)[..., 0].t()
+        if offset is None:
+            scales[1, :, rows] = b[..., 2:4].contiguous().view(torch.float16)[..., 0].t()
+        if bits == 4:
+            qs = b[..., block_bytes - 16:]
+            codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # a block's weights 0..15 low nibbles, 16..31 high
+        else:
+            codes = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        w = (codes.reshape(b.shape[0], -1, per_word).to(torch.int64) << shifts).sum(-1)  # [rows, K / P], < 2^32
+        words[:, rows] = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).t()
+    return PackedWeight(words, scales, fmt_name)
 
 
 @triton.jit
