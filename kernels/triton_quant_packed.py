@@ -9,7 +9,10 @@ GPTQ-style GPU kernels read:
 
     words  int32 [K / P, N]   P = 32 / BITS codes a word (8 nibbles, or 4 bytes), code j of word r
                               of column n in bits BITS*j.. : weight k = r * P + j of output row n
-    scales fp16  [2, K / 32, N]  the block's d, then its min m (Q4_1; unused otherwise)
+    scales fp16  [1 or 2, K / 32, N]  the block's d, then (Q4_1) its min m
+
+As many bytes as the blocks (codes, a 16-bit scale, Q4_1's 16-bit min), so the blocks are freed
+and the weights' resident size does not change.
 
 Codes are unsigned: a weight is d * u + m with m = -8 d (Q4_0), -128 d (Q8_0: its int8 + 128),
 or the block's own min (Q4_1). In float32, d * u is exact (an 11-bit by 8-bit product), so
@@ -54,7 +57,7 @@ class PackedWeight:
     """A 32-weight block format repacked for the GPU kernels (layout in the module docstring)."""
 
     words: torch.Tensor  # int32 [K / P, N]
-    scales: torch.Tensor  # fp16 [2, K / 32, N]: d, then m (zeros where the format has none)
+    scales: torch.Tensor  # fp16 [1 or 2, K / 32, N]: d, then (Q4_1) m
     format: str
 
     @property
@@ -76,7 +79,7 @@ def pack(blocks: torch.Tensor, fmt_name: str) -> PackedWeight:
     n, k = blocks.shape[0], blocks.shape[1] // block_bytes * GROUP_SIZE
     per_word = 32 // bits
     words = torch.empty(k // per_word, n, dtype=torch.int32, device=blocks.device)
-    scales = torch.zeros(2, k // GROUP_SIZE, n, dtype=torch.float16, device=blocks.device)
+    scales = torch.empty(1 if offset is not None else 2, k // GROUP_SIZE, n, dtype=torch.float16, device=blocks.device)
     shifts = torch.arange(per_word, device=blocks.device, dtype=torch.int64) * bits
     for start in range(0, n, PACK_ROWS):
         b = blocks[start:start + PACK_ROWS].reshape(-1, k // GROUP_SIZE, block_bytes)

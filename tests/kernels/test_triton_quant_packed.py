@@ -25,7 +25,7 @@ def packed(triton_ops):
 
 def test_pack_is_lossless(packed, monkeypatch):
     """Repacking keeps every code and scale: unpacked again in torch, the weights are dequantize's
-    (rows repacked 4 at a time: the chunks, the last one short, land in place)."""
+    (rows repacked 4 at a time: the chunks, the last one short, land in place), in the blocks' bytes."""
     from engine.quant import FORMATS as BLOCK_FORMATS
 
     monkeypatch.setattr(packed, "PACK_ROWS", 4)
@@ -38,12 +38,13 @@ def test_pack_is_lossless(packed, monkeypatch):
         shifts = torch.arange(per_word) * bits
         codes = ((p.words.t()[..., None].to(torch.int64) & 0xFFFFFFFF) >> shifts) & ((1 << bits) - 1)
         codes = codes.reshape(6, -1, 32).float()
-        d, m = p.scales.float().permute(0, 2, 1)[..., None]
-        m = m if offset is None else -offset * d
+        scales = p.scales.float().permute(0, 2, 1)[..., None]  # [d (, m), N, K / 32, 1]
+        d = scales[0]
+        m = scales[1] if offset is None else -offset * d
         got = (d * codes + m).reshape(6, -1)
         torch.testing.assert_close(got, torch.from_numpy(w), rtol=0, atol=0)
         torch.testing.assert_close(got, BLOCK_FORMATS[fmt].dequantize(blocks), rtol=0, atol=0)
-        assert p.nbytes == 6 * 64 * bits // 8 + 2 * 6 * 2 * 2
+        assert p.nbytes == blocks.numel(), "as many bytes as the blocks: freeing them keeps the resident size"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -99,3 +100,34 @@ def test_split_heuristic(packed):
     assert (plan.kernel, plan.block_n, plan.num_splits, plan.k_per_split) == ("gemv", 64, 8, 256)
     assert packed.launch_plan(1, 2048, 2048, "Q4_1", 1).num_splits == 1
     assert packed.launch_plan(1024, 2048, 2048, "Q4_1", 132).num_splits == 1
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, method):
+    """On the triton backend every quantized matmul holds a PackedWeight and its blocks are freed,
+    and the weights' resident bytes equal the torch backend's (which multiplies the blocks)."""
+    from engine import LLM
+    from engine.layers.linear import packed_bytes
+    from tests.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2)
+    resident = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), quantization=method, dtype="float32", device=DEVICE, attention_backend=backend,
+                  num_kv_blocks=8, max_model_len=64)
+        try:
+            model = llm.engine.runner.model
+            matmuls = [m for m in model.modules() if getattr(m, "quant_format", None) is not None
+                       and hasattr(m, "packed_weight")]
+            assert matmuls
+            for m in matmuls:
+                if backend == "triton":
+                    assert isinstance(m.packed_weight, packed.PackedWeight) and m.weight.numel() == 0
+                else:
+                    assert m.packed_weight is None and m.weight.numel() > 0
+            storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+            resident[backend] = sum(storages.values()) + packed_bytes(model)
+        finally:
+            llm.shutdown()
+    assert resident["triton"] == resident["torch"]
