@@ -163,7 +163,8 @@ class ModelRunner:
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(source))
-        pack_weights(self.model, self.backend)
+        pack_weights(self.model, self.backend.pack_linear_weight,
+                     lambda fmt, blocks: fmt.pack(blocks, self.backend.name))
         pack_experts(self.model, self.backend.pack_moe_weights)
         self._quantized_activations(source)
         self._fuse_cpu_layers()

@@ -10,6 +10,7 @@ multiplied by the format's matmul for the step's backend."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,19 +22,20 @@ from engine.quant import BlockFormat, QuantizedTensor
 logger = logging.getLogger(__name__)
 
 
-def pack_weights(model: nn.Module, backend) -> None:
-    """Give every matmul weight of the model its packed copy for `backend`, once the checkpoint is
-    loaded: float weights the backend's pack_linear_weight, quantized blocks their format's pack
-    (the triton backend repacks 4/8-bit blocks for the GPU). The plain copy is freed where nothing
-    else reads it (a tied LM head shares its weight with the embedding, which keeps it)."""
+def pack_weights(model: nn.Module, pack_linear_weight: Callable, pack_blocks: Callable) -> None:
+    """Give every matmul weight of the model its packed copy, once the checkpoint is loaded: a
+    float weight pack_linear_weight(weight) (the backend's), quantized blocks pack_blocks(format,
+    blocks) (the triton backend repacks 4/8-bit blocks for the GPU: BlockFormat.pack), None where
+    the plain weight is what the matmul reads. The plain copy is freed where nothing else reads it
+    (a tied LM head shares its weight with the embedding, which keeps it)."""
     unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
                       for p in m.parameters(recurse=False)}
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
         fmt = getattr(module, "quant_format", None)
-        module.packed_weight = (backend.pack_linear_weight(module.weight) if fmt is None
-                                else fmt.pack(module.weight, backend.name))
+        module.packed_weight = (pack_linear_weight(module.weight) if fmt is None
+                                else pack_blocks(fmt, module.weight))
         if module.packed_weight is not None and id(module.weight) not in unpacked_users:
             module.weight.data = module.weight.data.new_empty(0)
     logger.info("weights resident: %s", weight_bytes_summary(model))
