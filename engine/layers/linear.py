@@ -49,14 +49,17 @@ def weight_bytes_summary(model: nn.Module) -> str:
         storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
     total = sum(storages.values()) + packed_bytes(model)
     quantized: dict[str, list[int]] = {}
-    seen = set()  # a tied LM head's blocks are the embedding's: one matrix
+    seen = set()  # a tied LM head's parameter is the embedding's: one matrix (unless it has its own copy)
     for m in model.modules():
-        if getattr(m, "quant_format", None) is not None and m.weight.data_ptr() not in seen:
-            seen.add(m.weight.data_ptr())
-            entry = quantized.setdefault(m.quant_format.name, [0, 0])
+        if getattr(m, "quant_format", None) is None:
+            continue
+        entry = quantized.setdefault(m.quant_format.name, [0, 0])
+        if id(m.weight) not in seen:  # by the parameter: freed blocks (packed copies) all have address 0
+            seen.add(id(m.weight))
             entry[0] += 1
-            packed = getattr(m, "packed_weight", None)
-            entry[1] += m.weight.nbytes + (packed.nbytes if packed is not None else 0)
+            entry[1] += m.weight.nbytes
+        packed = getattr(m, "packed_weight", None)
+        entry[1] += packed.nbytes if packed is not None else 0
     parts = ", ".join(f"{n} matrices {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
     return f"{total / 2**20:.1f} MiB" + (f" (quantized: {parts})" if parts else "")
 

@@ -105,9 +105,10 @@ def test_split_heuristic(packed):
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, method):
     """On the triton backend every quantized matmul holds a PackedWeight and its blocks are freed,
-    and the weights' resident bytes equal the torch backend's (which multiplies the blocks)."""
+    and the weights' resident bytes equal the torch backend's (which multiplies the blocks), as does
+    the start-up log's summary (every matrix counted, in the same MiB)."""
     from engine import LLM
-    from engine.layers.linear import packed_bytes
+    from engine.layers.linear import packed_bytes, weight_bytes_summary
     from tests.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -127,7 +128,7 @@ def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, 
                 else:
                     assert m.packed_weight is None and m.weight.numel() > 0
             storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-            resident[backend] = sum(storages.values()) + packed_bytes(model)
+            resident[backend] = sum(storages.values()) + packed_bytes(model), weight_bytes_summary(model)
         finally:
             llm.shutdown()
     assert resident["triton"] == resident["torch"]
