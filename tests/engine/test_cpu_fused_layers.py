@@ -65,7 +65,7 @@ def run(path, prompts, **config):
 def test_fused_layers_compute_what_the_modules_compute(tmp_path, monkeypatch, model_type, quantization,
                                                       kv_cache_dtype, unpack):
     if unpack:  # float weights left plain (F.linear), as where oneDNN cannot pack them
-        monkeypatch.setattr(model_runner, "pack_weights", lambda model, pack: None)
+        monkeypatch.setattr(model_runner, "pack_weights", lambda model, pack, pack_blocks: None)
     path = tiny(tmp_path / "tiny", model_type)
     rng = random.Random(7)
     # Three sequences decoding together; prompts of 1 to 30 tokens, chunked by 12 a step (rows <= 16).
