@@ -111,6 +111,19 @@ def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr):
     return (x * (1.0 / (1 << (BITS * j))))[:, None] * u, x
 
 
+@triton.jit
+def _block_scales(scales_ptr, groups, cols, mask, N, num_groups, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Blocks `groups` [R] of columns `cols`: their d and m (m = -OFFSET d where the format stores
+    no min), float32 [R, BLOCK_N] each; masked-off entries 0."""
+    ptrs = scales_ptr + groups.to(tl.int64)[:, None] * N + cols[None, :]
+    d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MIN:
+        m = tl.load(ptrs + num_groups * N, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = -OFFSET * d
+    return d, m
+
+
 @triton.jit(do_not_specialize=["stride_split"])
 def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_split,
                 BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -146,12 +159,7 @@ def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, N, K, k_per_spl
             p, x = _code_products(x_ptrs + HALF, w_in, high, j, BITS)
             s += p
             xs += x
-        s_ptrs = scales_ptr + (wr // WPG).to(tl.int64)[:, None] * N + cols[None, :]
-        d = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_MIN:
-            mn = tl.load(s_ptrs + num_groups * N, mask=mask, other=0.0).to(tl.float32)
-        else:
-            mn = -OFFSET * d
+        d, mn = _block_scales(scales_ptr, wr // WPG, cols, mask, N, num_groups, OFFSET, HAS_MIN)
         acc += d * s + mn * xs[:, None]
     y = tl.sum(acc, axis=0)
     if PARTIAL:
@@ -188,13 +196,7 @@ def dot_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, k_per_s
         words = tl.load(words_ptr + wr.to(tl.int64)[:, :, None] * N + cols[None, None, :],
                         mask=g_in[:, None, None] & col_in[None, None, :], other=0)
         u = ((words[:, :, None, :] >> shifts) & ((1 << BITS) - 1)).to(tl.float32)  # [G, WPG, P, BLOCK_N]
-        s_ptrs = scales_ptr + g.to(tl.int64)[:, None] * N + cols[None, :]
-        g_mask = g_in[:, None] & col_in[None, :]
-        d = tl.load(s_ptrs, mask=g_mask, other=0.0).to(tl.float32)
-        if HAS_MIN:
-            mn = tl.load(s_ptrs + num_groups * N, mask=g_mask, other=0.0).to(tl.float32)
-        else:
-            mn = -OFFSET * d
+        d, mn = _block_scales(scales_ptr, g, cols, g_in[:, None] & col_in[None, :], N, num_groups, OFFSET, HAS_MIN)
         w = d[:, None, None, :] * u + mn[:, None, None, :]
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
         k_in = k0 + tl.arange(0, BLOCK_K) < last
