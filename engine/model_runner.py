@@ -162,7 +162,9 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
-        load_weights(self.model, checkpoint_tensors(source))
+        # A float32 model on the cpu backend keeps bf16 checkpoint matrices as stored (its kernels widen them).
+        keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and self.dtype == torch.float32
+        load_weights(self.model, checkpoint_tensors(source, keep_bf16))
         pack_weights(self.model, self.backend.pack_linear_weight,
                      lambda fmt, blocks: fmt.pack(blocks, self.backend.name))
         pack_experts(self.model, self.backend.pack_moe_weights)

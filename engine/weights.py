@@ -10,6 +10,10 @@ default): linear layers, and the token embedding and LM head (a tied head reads 
 blocks); other quantized tensors (a layer with mixed types, MoE experts) are dequantized to float,
 with a log line saying which. `gguf_weights="dequantize"` dequantizes every tensor.
 
+With `keep_bf16` (the runner's choice: cpu backend, float32 model, EngineConfig.cpu_bf16_weights) a
+float checkpoint's bfloat16 matrices stay bfloat16 as stored (engine.quant.BF16: linear layers,
+embedding and LM head), half float32's bytes, widened to float32 inside the C++ matmul kernels.
+
 A float checkpoint's linear weights (a safetensors folder's, or a float GGUF's) are quantized at
 load with `quantization` "int8" / "int4" / "fp8" (engine/quant/quantize.py); those of a
 safetensors folder whose config.json names a pre-quantized method (GPTQ, AWQ, compressed-tensors)
@@ -52,7 +56,7 @@ class GGUFTensors:
         return self.model.tensors(self.native)
 
 
-def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
+def checkpoint_tensors(source: ModelSource, keep_bf16: bool = False) -> Iterable[tuple[str, object]]:
     from engine.quant.quantize import AT_LOAD_METHODS
 
     if source.prequantized is not None:
@@ -61,6 +65,8 @@ def checkpoint_tensors(source: ModelSource) -> Iterable[tuple[str, object]]:
     if source.quantization in AT_LOAD_METHODS:
         names = list(tensors.types) if source.is_gguf else list(tensors.files)
         return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size)
+    if keep_bf16:
+        return KeepBF16(tensors)
     return tensors
 
 
@@ -132,6 +138,61 @@ def choose_native_weights(model: torch.nn.Module, tensors: GGUFTensors) -> None:
                        ", ".join(dequantized[:4]) + more, native_note)
 
 
+class KeepBF16:
+    """A float checkpoint's tensors with its bfloat16 matrices handed over as stored
+    (engine.quant.BF16 blocks): choose_layers turns each linear layer, embedding and LM head whose
+    checkpoint tensors are all bfloat16 (and whose inputs are whole blocks of 32) into a BF16 layer,
+    after a GGUF file's own choice of native blocks; every other tensor passes through unchanged."""
+
+    def __init__(self, tensors: GGUFTensors | SafetensorsFolder):
+        self.tensors = tensors
+        self.kept: set[str] = set()
+
+    def _stored_types(self) -> dict[str, str]:
+        """Checkpoint name -> its stored type's name ("BF16", "F32", "Q4_1", ...)."""
+        if isinstance(self.tensors, GGUFTensors):
+            return {name: kind for name, (_, kind) in self.tensors.types.items()}
+        return self.tensors.stored_types()
+
+    def choose_layers(self, model: torch.nn.Module) -> None:
+        from engine.quant import BF16
+
+        if isinstance(self.tensors, GGUFTensors):
+            choose_native_weights(model, self.tensors)
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        groups: dict[str, list[tuple[str, str]]] = {}  # target -> [(checkpoint name, stored type)]
+        for name, kind in self._stored_types().items():
+            if (target := _target(model, name, params)) is not None:
+                groups.setdefault(target, []).append((name, kind))
+        kept_bytes = 0
+        for target, group in groups.items():
+            module = _block_holder(modules, target, vocabulary=True)
+            if module is None or module.quant_format is not None or any(kind != "BF16" for _, kind in group):
+                continue
+            if module.weight.shape[1] % BF16.block_size:
+                continue  # inputs not whole blocks: converted to float32 as before
+            module.quantize_weight(BF16)
+            kept_bytes += module.weight.numel()
+            self.kept.update(name for name, _ in group)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # a tied LM head reads the embedding's bf16 blocks
+        if self.kept:
+            logger.info("bfloat16 matrices kept as stored (%.1f MiB; cpu_bf16_weights), widened to float32 in the "
+                        "matmul kernels", kept_bytes / 2**20)
+
+    def __iter__(self):
+        from engine.quant import BF16, QuantizedTensor
+
+        for name, tensor in self.tensors:
+            if name in self.kept:
+                if isinstance(tensor, SafetensorsSlice):
+                    tensor = tensor.read()  # whole; each rank's loader slices the blocks
+                # A GGUF file's tensor comes as float32 (its bfloat16 values, exactly).
+                tensor = QuantizedTensor(tensor.to(torch.bfloat16).contiguous().view(torch.uint8), BF16)
+            yield name, tensor
+
+
 class SafetensorsFolder:
     """A safetensors folder's tensors: whole by name (`get`; pre-quantized checkpoints read a module's
     parts together), or iterated as (name, SafetensorsSlice) in file order: read lazily, so a
@@ -158,6 +219,10 @@ class SafetensorsFolder:
         if file not in self.open:
             self.open[file] = safe_open(file, framework="pt")
         return self.open[file]
+
+    def stored_types(self) -> dict[str, str]:
+        """Tensor name -> its stored dtype as safetensors names it ("BF16", "F32", ...), from the headers."""
+        return {name: self._file(name).get_slice(name).get_dtype() for name in self.files}
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.bytes_read += tensor.numel() * tensor.element_size()
@@ -308,7 +373,7 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) 
     """Route each checkpoint tensor to its parameter's weight_loader; every parameter must be filled."""
     if isinstance(tensors, GGUFTensors):
         choose_native_weights(model, tensors)
-    elif hasattr(tensors, "choose_layers"):
+    elif hasattr(tensors, "choose_layers"):  # KeepBF16 makes a GGUF file's native choice itself
         tensors.choose_layers(model)
     params = dict(model.named_parameters())
     missing = set(params)

@@ -17,6 +17,9 @@
 //         reads ql[64h..64h+63] and qh[32h..32h+31]; its quarter t (32 weights, l = 0..31) takes
 //         the low (t < 2) or high (t >= 2) nibble of ql[64h + 32(t % 2) + l] and bits 2t..2t+1 of
 //         qh[32h + l] as bits 4..5.                              (d * sc[i / 16]) * (q6(i) - 32)
+//   BF16  32 weights, 64 bytes: bfloat16 w[32], no scale                   w[i] (its bits << 16)
+//         Not a GGUF block but a checkpoint's bfloat16 matrix as stored, served with float32
+//         activations (a CPU without bf16 dot products): the same kernels widen it in registers.
 // gguf.quants.dequantize, the oracle, reads them so. Every product above is exact in float32 (fp16
 // mantissas times small integers), so each weight is the oracle's float whatever the order of the
 // operations, FMA or not.
@@ -54,10 +57,10 @@
 
 namespace {
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
-constexpr int64_t kNumFormats = 5;
-constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 32, 256, 256};
-constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 20, 144, 210};
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kBF16 = 5 };
+constexpr int64_t kNumFormats = 6;
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 32, 256, 256, 32};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 20, 144, 210, 64};
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -122,6 +125,15 @@ inline void decode_q6_k(const uint8_t* b, float* w) {
   }
 }
 
+inline void decode_bf16(const uint8_t* b, float* w) {
+  for (int i = 0; i < 32; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, b + 2 * i, 2);
+    const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+    std::memcpy(w + i, &widened, 4);
+  }
+}
+
 template <int64_t F>
 inline void decode_scalar(const uint8_t* b, float* w) {
   if constexpr (F == kQ8_0) decode_q8_0(b, w);
@@ -129,6 +141,7 @@ inline void decode_scalar(const uint8_t* b, float* w) {
   if constexpr (F == kQ4_1) decode_q4(b + 4, half_at(b), half_at(b + 2), w);
   if constexpr (F == kQ4_K) decode_q4_k(b, w);
   if constexpr (F == kQ6_K) decode_q6_k(b, w);
+  if constexpr (F == kBF16) decode_bf16(b, w);
 }
 
 // Output rows per work item: small enough that both threads of a decode get work on the smallest
@@ -249,6 +262,17 @@ inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
   });
 }
 
+// 16 bfloat16 at p as 16 floats: each one's bits moved to the top of a 32-bit lane (exact).
+inline __m512 bf16_to_ps(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <typename Sink>
+inline void decode_bf16(const uint8_t* b, Sink&& sink) {
+  sink(0, bf16_to_ps(b), bf16_to_ps(b + 32));
+}
+
 template <int64_t F, typename Sink>
 inline void decode(const uint8_t* b, Sink&& sink) {
   if constexpr (F == kQ8_0) decode_q8_0(b, sink);
@@ -256,6 +280,7 @@ inline void decode(const uint8_t* b, Sink&& sink) {
   if constexpr (F == kQ4_1) decode_q4(b + 4, half_bcast(b), half_bcast(b + 2), sink);
   if constexpr (F == kQ4_K) decode_q4_k(b, sink);
   if constexpr (F == kQ6_K) decode_q6_k(b, sink);
+  if constexpr (F == kBF16) decode_bf16(b, sink);
 }
 
 template <int64_t F>
@@ -387,6 +412,18 @@ inline void decode_q6_k(const uint8_t* b, Sink&& sink) {
   });
 }
 
+// 32 bfloat16 -> four vectors of 8 floats, each 8 widened straight from memory and shifted into
+// the top half of their lanes (exact).
+template <typename Sink>
+inline void decode_bf16(const uint8_t* b, Sink&& sink) {
+  __m256 w[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * k)));
+    w[k] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  sink(0, w);
+}
+
 template <int64_t F, typename Sink>
 inline void decode(const uint8_t* b, Sink&& sink) {
   if constexpr (F == kQ8_0) decode_q8_0(b, sink);
@@ -394,6 +431,7 @@ inline void decode(const uint8_t* b, Sink&& sink) {
   if constexpr (F == kQ4_1) decode_q4(b + 4, half_bcast(b), half_bcast(b + 2), sink);
   if constexpr (F == kQ4_K) decode_q4_k(b, sink);
   if constexpr (F == kQ6_K) decode_q6_k(b, sink);
+  if constexpr (F == kBF16) decode_bf16(b, sink);
 }
 
 template <int64_t F>
@@ -922,6 +960,7 @@ void by_format(int64_t fmt, Fn&& fn) {
     case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); break;
     case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); break;
+    case kBF16: fn(std::integral_constant<int64_t, kBF16>{}); break;
     default: TORCH_CHECK(false, "unknown block format ", fmt);
   }
 }
@@ -997,8 +1036,9 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& w, int64_t fmt, con
   auto y = at::empty({M, N}, xf.options());
   const QRows<I> a = quantize_rows<I>(xf.data_ptr<float>(), M, K);
   by_format(fmt, [&](auto F) {
-    if constexpr (kBlockWeights[decltype(F)::value] == kBlock) {
-      linear_q8_impl<decltype(F)::value>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+    constexpr int64_t f = decltype(F)::value;
+    if constexpr (f == kQ8_0 || f == kQ4_0 || f == kQ4_1) {
+      linear_q8_impl<f>(a, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
     }
   });
   return bf16 ? y.to(at::kBFloat16) : y;
@@ -1216,7 +1256,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x @ dequant(w)^T, blocks dequantized to float in registers");
-  // For kernels/cpu_ops.cpp's decoder_layers, which calls linear_f32 without a trip through Python.
+  // For kernels/cpu_ops.cpp's DecoderLayers, which calls linear_f32 without a trip through Python.
   m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },
         "the address of linear_f32 (the same process and libtorch)");
   m.def("linear_q8_address", [] { return reinterpret_cast<int64_t>(&linear_q8); },

@@ -50,7 +50,8 @@ class KernelFormat(NamedTuple):
 
 # The block formats the C++ kernels read, by GGUF type name.
 FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4_1": KernelFormat(2, 32, 20),
-           "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210)}
+           "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210),
+           "BF16": KernelFormat(5, 32, 64)}
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # the formats linear_q8 reads
 # The C++ kernel of each kind of quantized activations.
 ACTIVATION_KERNELS = {"int8": "linear_q8", "int16": "linear_q16"}

@@ -43,7 +43,7 @@ def pack_weights(model: nn.Module, pack_linear_weight: Callable, pack_blocks: Ca
 
 def weight_bytes_summary(model: nn.Module) -> str:
     """The weights' resident bytes: distinct parameter storages plus packed copies, with the
-    share held quantized (as GGUF blocks or their repacked copies)."""
+    share held in a block format (GGUF blocks or their repacked copies, bf16 matrices as stored)."""
     storages = {}
     for p in model.parameters():
         storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
@@ -61,7 +61,7 @@ def weight_bytes_summary(model: nn.Module) -> str:
         packed = getattr(m, "packed_weight", None)
         entry[1] += packed.nbytes if packed is not None else 0
     parts = ", ".join(f"{n} matrices {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
-    return f"{total / 2**20:.1f} MiB" + (f" (quantized: {parts})" if parts else "")
+    return f"{total / 2**20:.1f} MiB" + (f" (as blocks: {parts})" if parts else "")
 
 
 def packed_bytes(model: nn.Module) -> int:

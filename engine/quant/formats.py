@@ -53,6 +53,10 @@ def _dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
     return _half(b, 0) * _nibbles(b[..., 4:]).float() + _half(b, 2)
 
 
+def _widen_bf16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.bfloat16).float()
+
+
 def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     """[..., nb, 144] -> [..., nb, 256]: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for the
     8 sub-blocks of 32, then 128 bytes of nibbles (bytes 32c.. hold sub-block 2c low, 2c + 1 high)."""
@@ -109,6 +113,15 @@ class BlockFormat:
         n = blocks.shape[0]
         return self._dequantize(blocks.reshape(n, -1, self.block_bytes)).reshape(n, -1)
 
+    def rows(self, blocks: torch.Tensor, ids: torch.Tensor, backend: str) -> torch.Tensor:
+        """dequantize(blocks[ids]) for int64 ids [n]: float32 [n, K], the same values; on the cpu
+        backend by its C++ kernel (one call, where dequantize is a handful of torch ops: an
+        embedding lookup per decode step)."""
+        picked = blocks.index_select(0, ids)
+        if backend == "cpu" and _cpu_kernels() is not None:
+            return _cpu_kernels().dequantize(picked, self.name)
+        return self.dequantize(picked)
+
     def pack(self, blocks: torch.Tensor, backend: str):
         """The backend's own copy of these blocks for its matmul, or None where it reads them as
         stored: the triton backend repacks Q8_0 / Q4_0 / Q4_1 into 32-bit words and separate scales,
@@ -146,6 +159,12 @@ FORMATS = {f.name: f for f in (
     BlockFormat("Q4_K", 144, _dequantize_q4_k, QK_K),
     BlockFormat("Q6_K", 210, _dequantize_q6_k, QK_K),
 )}
+
+# A checkpoint's bfloat16 matrix held as stored under a float32 model on the cpu backend (no bf16
+# dot products on such CPUs: the C++ kernels widen it in registers, kernels/cpu_quant.cpp): half
+# float32's bytes, the same values. Blocks of 32 so the block kernels serve it; not a GGUF
+# quantized type, so not in FORMATS (engine/weights.py keep_bf16 chooses it).
+BF16 = BlockFormat("BF16", 64, _widen_bf16)
 
 _cpu = []  # [module or None], filled on the first cpu-backend matmul
 

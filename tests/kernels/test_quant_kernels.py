@@ -1,5 +1,6 @@
 """GGUF block-quantized matmuls (kernels/cpu_quant.cpp, engine/quant) against their oracle:
-gguf.quants.dequantize, then a float64 matmul."""
+gguf.quants.dequantize, then a float64 matmul. BF16 (a bfloat16 matrix as stored, which the same
+kernels widen) is checked alongside, against gguf's own BF16 rows."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.quant import FORMATS, QuantizedTensor, reference_linear
+from engine.quant import BF16, FORMATS, QuantizedTensor, reference_linear
 from kernels import cpu_build, cpu_quant
 from tests.kernels.gguf_blocks import quantize
 
-FORMAT_NAMES = sorted(FORMATS)
+BLOCK_FORMATS = {**FORMATS, "BF16": BF16}  # what the CPU kernels read
+FORMAT_NAMES = sorted(BLOCK_FORMATS)
 # Byte ranges of each format's fp16 scales/mins: random blocks get finite values there.
 FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def _k(fmt: str, blocks: int) -> int:
     """in_features of `blocks` whole blocks (K-quants: super-blocks of 256)."""
-    return blocks * FORMATS[fmt].block_size
+    return blocks * BLOCK_FORMATS[fmt].block_size
 
 
 def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +42,10 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tenso
     """Like _weight, but every byte random (each bit of every packed field set both ways) save the
     fp16 fields, which hold random finite values (normal and subnormal)."""
     rng = np.random.default_rng(seed)
+    if fmt == "BF16":  # every field is a bfloat16: random finite values, normal and subnormal
+        vals = rng.standard_normal((n, k)) * 10.0 ** rng.integers(-40, 3, (n, k))
+        blocks = torch.from_numpy(vals.astype(np.float32)).bfloat16().view(torch.uint8).contiguous()
+        return blocks, torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType.BF16).copy())
     f = FORMATS[fmt]
     blocks = rng.integers(0, 256, (n, k // f.block_size, f.block_bytes), dtype=np.uint8)
     for offset in FP16_FIELDS[fmt]:
@@ -62,9 +68,12 @@ def _cpu_kernels_or_skip():
 
 def test_formats_agree_with_gguf_and_the_cpu_kernels():
     """One block size and byte count per format: engine.quant's, the C++ kernels' and GGUF's."""
-    assert set(cpu_quant.FORMATS) == set(FORMATS)
-    for name, f in FORMATS.items():
-        assert gguf.GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (f.block_size, f.block_bytes), name
+    assert set(cpu_quant.FORMATS) == set(BLOCK_FORMATS)
+    for name, f in BLOCK_FORMATS.items():
+        size, nbytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        if name == "BF16":  # GGUF's unit is one weight; the kernels read 32 at a time
+            size, nbytes = size * f.block_size, nbytes * f.block_size
+        assert (size, nbytes) == (f.block_size, f.block_bytes), name
         assert cpu_quant.FORMATS[name][1:] == (f.block_size, f.block_bytes), name
 
 
@@ -82,7 +91,7 @@ def test_k_quant_test_blocks_are_what_gguf_reads(fmt):
 @pytest.mark.parametrize("make", [_weight, _random_blocks])
 def test_torch_dequantize_is_gguf_bit_for_bit(fmt, make):
     blocks, want = make(fmt, 7, _k(fmt, 3))
-    got = FORMATS[fmt].dequantize(blocks)
+    got = BLOCK_FORMATS[fmt].dequantize(blocks)
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
@@ -234,16 +243,17 @@ def test_format_linear_per_backend(fmt):
     k = _k(fmt, 2)
     blocks, w = _weight(fmt, 9, k)
     x = torch.randn(2, k)
-    torch.testing.assert_close(FORMATS[fmt].linear(x, blocks, None, "torch"), x @ w.T, rtol=0, atol=0)
-    torch.testing.assert_close(reference_linear(x, blocks, FORMATS[fmt]), x @ w.T, rtol=0, atol=0)
-    torch.testing.assert_close(FORMATS[fmt].linear(x, blocks, None, "cpu"), x @ w.T, rtol=1e-5, atol=1e-5)
+    fmt = BLOCK_FORMATS[fmt]
+    torch.testing.assert_close(fmt.linear(x, blocks, None, "torch"), x @ w.T, rtol=0, atol=0)
+    torch.testing.assert_close(reference_linear(x, blocks, fmt), x @ w.T, rtol=0, atol=0)
+    torch.testing.assert_close(fmt.linear(x, blocks, None, "cpu"), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_quantized_tensor_narrows_on_whole_blocks(fmt):
-    bs = FORMATS[fmt].block_size
+    bs = BLOCK_FORMATS[fmt].block_size
     blocks, w = _weight(fmt, 6, 4 * bs)
-    t = QuantizedTensor(blocks, FORMATS[fmt])
+    t = QuantizedTensor(blocks, BLOCK_FORMATS[fmt])
     assert t.shape == (6, 4 * bs)
     assert torch.equal(t.narrow(0, 2, 3).dequantize(), w[2:5])
     assert torch.equal(t.narrow(1, 2 * bs, 2 * bs).dequantize(), w[:, 2 * bs:])

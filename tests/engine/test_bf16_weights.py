@@ -1,0 +1,101 @@
+"""A checkpoint's bfloat16 matrices kept as stored under a float32 model on the cpu backend
+(EngineConfig.cpu_bf16_weights, engine.quant.BF16), against transformers' float32 greedy tokens on the
+same checkpoint (it widens the bf16 values exactly, as the C++ kernels do), from a safetensors folder
+and from a BF16 .gguf file of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine.layers.context import forward_context
+from engine.loader import resolve_model
+from engine.weights import checkpoint_tensors, load_weights
+from tests.engine.engine_runs import engine_greedy
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.test_gguf_native import write_gguf
+from tests.tiny_model import build_tiny_model
+
+# A prompt past 16 tokens takes the tiled kernel (prefill), the others and every decode step the
+# register kernel inside the fused decode layers.
+PROMPTS = [[5, 9, 33, 100, 7], list(range(3, 45)), [77], [200, 201, 202, 203] * 5]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    """A tiny Llama saved in bfloat16: tied embeddings (the LM head reads the embedding's bf16 blocks),
+    intermediate 80, so down_proj's inputs are not whole blocks of 32 and it stays float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fp32 = build_tiny_model(tmp_path_factory.mktemp("fp32"), model_type="llama", tie_word_embeddings=True,
+                            intermediate_size=80)
+    folder = tmp_path_factory.mktemp("bf16")
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(folder)
+    return str(folder)
+
+
+def _loaded(path: str, keep_bf16: bool):
+    from engine.models.registry import model_class
+
+    source = resolve_model(path, tokenizer_path=None)
+    with torch.device("cpu"):
+        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
+    load_weights(model, checkpoint_tensors(source, keep_bf16))
+    return model
+
+
+def test_bf16_matrices_are_held_as_stored(bf16_folder):
+    """The linear layers whose inputs are whole blocks, the embedding and the tied LM head hold the
+    checkpoint's bf16 bytes; down_proj (80 inputs) and the norms are float32; every weight equals
+    the float32 load's."""
+    model, floats = _loaded(bf16_folder, keep_bf16=True), _loaded(bf16_folder, keep_bf16=False)
+    layer, float_layer = model.model.layers["0"], floats.model.layers["0"]
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+        m = layer.get_submodule(name)
+        assert m.quant_format.name == "BF16" and m.weight.dtype == torch.uint8, name
+        assert torch.equal(m.quant_format.dequantize(m.weight), float_layer.get_submodule(name).weight), name
+    assert layer.mlp.down_proj.quant_format is None and layer.mlp.down_proj.weight.dtype == torch.float32
+    assert torch.equal(layer.mlp.down_proj.weight, float_layer.mlp.down_proj.weight)
+    embed = model.model.embed_tokens
+    assert embed.quant_format.name == "BF16" and model.lm_head.weight is embed.weight
+    ids = torch.tensor([[0, 5, 7], [model.config.vocab_size - 1, 3, 3]])
+    for backend in ("torch", "cpu"):
+        with forward_context(None, kernels.get_backend(backend)):
+            assert torch.equal(embed(ids), floats.model.embed_tokens(ids)), backend
+    assert embed.weight.numel() == 2 * floats.model.embed_tokens.weight.numel()  # bytes: half of float32's
+    assert floats.model.layers["0"].self_attn.qkv_proj.quant_format is None
+
+
+def test_bf16_folder_generates_transformers_tokens(bf16_folder):
+    want = [hf_greedy(bf16_folder, p, MAX_TOKENS) for p in PROMPTS]
+    assert engine_greedy(bf16_folder, PROMPTS, MAX_TOKENS, num_kv_blocks=64, max_model_len=256) == want
+
+
+def test_bf16_gguf_generates_transformers_tokens(tmp_path, bf16_folder):
+    """A BF16 .gguf of the same weights: its matrices stay bf16 too (a GGUF float type, which the
+    GGUF path alone would convert to float32), and the tokens are transformers'."""
+    path = tmp_path / "bf16.gguf"
+    write_gguf(path, bf16_folder, "llama", "BF16")
+    model = _loaded(str(path), keep_bf16=True)
+    assert model.model.layers["1"].self_attn.qkv_proj.quant_format.name == "BF16"
+    assert model.model.embed_tokens.quant_format.name == "BF16"
+    want = [hf_greedy(bf16_folder, p, MAX_TOKENS) for p in PROMPTS]
+    assert engine_greedy(path, PROMPTS, MAX_TOKENS, tokenizer=bf16_folder, num_kv_blocks=64,
+                         max_model_len=256) == want
+
+
+def test_engine_knob_reaches_the_loader(bf16_folder):
+    """cpu_bf16_weights=False converts the matrices to float32 at load; a bfloat16 model (--dtype)
+    holds bf16 weights of its own and keeps no blocks either."""
+    from engine import LLM
+
+    for config, kept in (({}, True), ({"cpu_bf16_weights": False}, False), ({"dtype": "bfloat16"}, False)):
+        llm = LLM(bf16_folder, device="cpu", num_kv_blocks=16, max_model_len=128, **config)
+        try:
+            layer = llm.engine.runner.model.model.layers["0"]
+            assert (layer.self_attn.qkv_proj.quant_format is not None) == kept, config
+        finally:
+            llm.shutdown()
