@@ -19,7 +19,7 @@
 // (no dequantized copy of the cache), with one float scale per tensor (k_scale, v_scale).
 
 #include <torch/extension.h>
-#include <ATen/core/dispatch/Dispatcher.h>  // decoder_layers: oneDNN's packed linear, called boxed
+#include <ATen/core/dispatch/Dispatcher.h>  // DecoderLayers: oneDNN's packed linear, called boxed
 #include <ATen/core/stack.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>  // at::native::cpublas::brgemm: oneDNN's microkernel (the fused MoE)
@@ -645,6 +645,31 @@ int64_t argmax_row(const T* row, int64_t n) {
   return best_at;
 }
 
+// A step's attention rows (kernels/cpu_ops.py plan_attention): the block tables as int64, and per
+// query row its sequence and its key count (its position + 1), from query_start_loc [seqs + 1] and
+// seq_lens [seqs] (any integer dtype). One call: the same as eight torch ops cost ~0.15 ms of a
+// decode step on a slow core.
+std::vector<torch::Tensor> plan_rows(torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                     torch::Tensor seq_lens) {
+  const auto starts = query_start_loc.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t seqs = lens.numel();
+  TORCH_CHECK(starts.numel() == seqs + 1, "plan_rows: query_start_loc must have one more entry than seq_lens");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  const int64_t rows = st[seqs];
+  auto row_seq = torch::empty({rows}, starts.options()), row_lens = torch::empty({rows}, starts.options());
+  int64_t* rs = row_seq.data_ptr<int64_t>();
+  int64_t* rl = row_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs; ++s) {
+    TORCH_CHECK(st[s] <= st[s + 1] && st[s + 1] <= rows, "plan_rows: query_start_loc must not decrease");
+    for (int64_t r = st[s]; r < st[s + 1]; ++r) {  // row r is the (st[s + 1] - r)-th last query of s
+      rs[r] = s;
+      rl[r] = ln[s] - (st[s + 1] - r) + 1;
+    }
+  }
+  return {block_tables.to(at::kLong).contiguous(), row_seq, row_lens};
+}
+
 // logits [rows, vocab] -> int64 [rows].
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "argmax_rows: logits must be contiguous [rows, vocab]");
@@ -1098,21 +1123,46 @@ at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w
   return stack.back().toTensor();
 }
 
-std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                          std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
-                                          std::vector<torch::Tensor> caches, std::vector<double> kv_scales,
-                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens,
-                                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                          int64_t linear_address, int64_t linear_q8_address,
-                                          int64_t linear_q16_address) {
+// A model's decoder layers bound once: the per-layer weights, formats, caches and scales, the
+// attention shape and the matmuls' addresses. A step then passes only its own tensors: converting
+// the weight list (270 tensors for the default model) from Python on every call cost ~0.5 ms of a
+// decode step (perf, the AVX2 machine). Bound again whenever the runner allocates new caches.
+struct DecoderLayers {
+  std::vector<torch::Tensor> weights;
+  std::vector<int64_t> formats;
+  std::vector<torch::Tensor> caches;
+  std::vector<double> kv_scales;
+  int64_t num_heads, num_kv_heads;
+  double eps, scale;
+  Linears linear;
+
+  DecoderLayers(std::vector<torch::Tensor> weights_, std::vector<int64_t> formats_, std::vector<torch::Tensor> caches_,
+                std::vector<double> kv_scales_, int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
+                int64_t linear_address, int64_t linear_q8_address, int64_t linear_q16_address)
+      : weights(std::move(weights_)), formats(std::move(formats_)), caches(std::move(caches_)),
+        kv_scales(std::move(kv_scales_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
+        scale(scale_),
+        linear{reinterpret_cast<LinearFn>(linear_address), reinterpret_cast<LinearFn>(linear_q8_address),
+               reinterpret_cast<LinearFn>(linear_q16_address)} {
+    const size_t layers = weights.size() / kLayerWeights;
+    TORCH_CHECK(weights.size() == kLayerWeights * layers && formats.size() == 4 * layers &&
+                caches.size() == 2 * layers && kv_scales.size() == 2 * layers,
+                "DecoderLayers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
+  }
+
+  // (hidden, residual) after every layer, for a step's hidden states [tokens, hidden] (residual
+  // None where the first layer starts the residual stream).
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
+                                     torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                     torch::Tensor row_seq, torch::Tensor lens) const;
+};
+
+std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
+                                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                                                  torch::Tensor block_tables, torch::Tensor row_seq,
+                                                  torch::Tensor lens) const {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecoderLayers: hidden must be contiguous [tokens, hidden]");
   const size_t layers = weights.size() / kLayerWeights;
-  TORCH_CHECK(weights.size() == kLayerWeights * layers && formats.size() == 4 * layers &&
-              caches.size() == 2 * layers && kv_scales.size() == 2 * layers,
-              "decoder_layers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layers: hidden must be contiguous [tokens, hidden]");
-  const Linears linear{reinterpret_cast<LinearFn>(linear_address), reinterpret_cast<LinearFn>(linear_q8_address),
-                       reinterpret_cast<LinearFn>(linear_q16_address)};
   const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
   torch::Tensor x, res = residual.has_value() ? *residual : torch::Tensor();
   for (size_t l = 0; l < layers; ++l) {
@@ -1152,12 +1202,16 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor hidden, c10::optional<to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_layers", &decoder_layers, "a decode step's Llama decoder layers, the modules' ops in their order");
+  pybind11::class_<DecoderLayers>(m, "DecoderLayers")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
+                          std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
+      .def("forward", &DecoderLayers::forward, "a decode step through every layer, the modules' ops in their order");
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "store keys and values at their slots");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "set the tokens a grammar's bitmask forbids to -inf, in place");
+  m.def("plan_rows", &plan_rows, "a step's attention rows: int64 block tables, each row's sequence and key count");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (NaN first), as torch.max(dim).indices");
   m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
   m.def("padded_rows", &padded_rows, "the rows an expert's segment of n tokens is padded to");

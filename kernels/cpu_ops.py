@@ -39,15 +39,7 @@ class RowPlan:
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    block_size: int) -> RowPlan:
-    starts, lens = query_start_loc.long(), seq_lens.long()
-    q_lens = starts[1:] - starts[:-1]
-    num_seqs, num_rows = lens.numel(), int(starts[-1])
-    if num_rows == num_seqs and bool((q_lens == 1).all()):  # all decodes: row i is sequence i
-        return RowPlan(block_tables.long().contiguous(), torch.arange(num_seqs), lens.contiguous())
-    row_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    # Row r of sequence i is its (ends[i] - r)-th last query, at position seq_len - (ends[i] - r).
-    row_lens = lens[row_seq] - (starts[1:][row_seq] - torch.arange(num_rows)) + 1
-    return RowPlan(block_tables.long().contiguous(), row_seq, row_lens)
+    return RowPlan(*load().plan_rows(block_tables, query_start_loc, seq_lens))
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

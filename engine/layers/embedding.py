@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_format is None:
             return F.embedding(ids, self.weight)
-        rows = self.quant_format.dequantize(self.weight.index_select(0, ids.reshape(-1)))
+        rows = self.quant_format.rows(self.weight, ids.reshape(-1), get_forward_context().backend.name)
         return rows.to(self.dtype).reshape(*ids.shape, -1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The cpu backend's decoder layers for a small step in one C++ call (kernels/cpu_ops.cpp
-decoder_layers): the kernels the modules call, in their order, without the modules' Python.
+DecoderLayers, bound to the layers' weights once): the kernels the modules call, in their order,
+without the modules' Python.
 
 On a slow core the Llama modules cost about 250 us of Python and dispatch per layer around ten
 kernel calls: at batch 1 on the default model that was 8.7 of a 21.5 ms decode step (measured,
@@ -64,38 +65,37 @@ def unsupported(model) -> str | None:
 
 
 class CpuFusedLayers:
-    """model.layers as one kernels/cpu_ops.cpp decoder_layers call, where it runs what they run."""
+    """model.layers as one kernels/cpu_ops.cpp DecoderLayers call, where it runs what they run."""
 
     def __init__(self, model):
         self.layers = list(model.layers.values())
         attn = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.attn.scale
         self.eps = self.layers[0].input_layernorm.eps
-        self._weights: list[torch.Tensor] = []
-        self._formats: list[int] = []
-        self._caches: list[torch.Tensor] = []
-        self._scales: list[float] = []
-        self._bound_to = None  # the first layer's key cache the lists were built against
+        self._stack = None  # kernels/cpu_ops.cpp's DecoderLayers, bound to the layers' tensors
+        self._bound_to = None  # the first layer's key cache it was bound against
         self._rows_ok: dict[tuple[int, torch.dtype], bool] = {}
         self.steps = 0  # forwards that took the fused path (the tests read it)
 
     def _bind(self) -> None:
-        """The per-layer argument lists, again whenever the runner allocates new caches."""
-        from kernels import cpu_ops
+        """Bind the C++ layers to the per-layer tensors, again whenever the runner allocates new caches."""
+        from kernels import cpu_build, cpu_ops
 
-        self._weights, self._formats, self._caches, self._scales = [], [], [], []
+        weights, formats, caches, scales = [], [], [], []
         none = torch.empty(0)  # a weight the model does not have (kernels/cpu_ops.cpp: 9 a layer)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-            self._weights += [layer.input_layernorm.weight, _operand(qkv), _operand(o),
-                              layer.post_attention_layernorm.weight, _operand(gate_up), _operand(down),
-                              none if qkv.bias is None else qkv.bias,
-                              attn.q_norm.weight if attn.qk_norm else none,
-                              attn.k_norm.weight if attn.qk_norm else none]
-            self._formats += [_format(m) for m in (qkv, o, gate_up, down)]
-            self._caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
-            self._scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
+            weights += [layer.input_layernorm.weight, _operand(qkv), _operand(o),
+                        layer.post_attention_layernorm.weight, _operand(gate_up), _operand(down),
+                        none if qkv.bias is None else qkv.bias,
+                        attn.q_norm.weight if attn.qk_norm else none,
+                        attn.k_norm.weight if attn.qk_norm else none]
+            formats += [_format(m) for m in (qkv, o, gate_up, down)]
+            caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
+            scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
+        self._stack = cpu_build.load().DecoderLayers(weights, formats, caches, scales, self.num_heads,
+                                                     self.num_kv_heads, self.eps, self.scale, *_linear_addresses())
         self._bound_to = self.layers[0].self_attn.attn.k_cache
 
     def _takes(self, hidden: torch.Tensor, meta) -> bool:
@@ -129,15 +129,11 @@ class CpuFusedLayers:
             return None
         if self._bound_to is not self.layers[0].self_attn.attn.k_cache:
             self._bind()
-        from kernels import cpu_build
-
         tokens = hidden.shape[0]
         cos, sin = (t.reshape(tokens, -1).contiguous() for t in rope)
         plan = meta.plan
-        out = cpu_build.load().decoder_layers(
-            hidden.contiguous(), None if residual is None else residual.contiguous(), self._weights, self._formats,
-            self._caches, self._scales, cos, sin, meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, *_linear_addresses())
+        out = self._stack.forward(hidden.contiguous(), None if residual is None else residual.contiguous(), cos, sin,
+                                  meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens)
         self.steps += 1
         return out[0], out[1]
 
@@ -159,7 +155,7 @@ def _format(linear) -> int:
 
 @functools.cache
 def _linear_addresses() -> tuple[int, int, int]:
-    """linear_f32's, linear_q8's and linear_q16's, which decoder_layers calls as the modules do."""
+    """linear_f32's, linear_q8's and linear_q16's, which DecoderLayers calls as the modules do."""
     from kernels import cpu_build
 
     quant = cpu_build.load_quant()

@@ -1,5 +1,5 @@
 """engine/models/cpu_fused_layers.py: a small step's decoder layers in one C++ call
-(kernels/cpu_ops.cpp decoder_layers). It calls the kernels the modules call, in their order, so the
+(kernels/cpu_ops.cpp DecoderLayers). It calls the kernels the modules call, in their order, so the
 oracle is the modules themselves: the same engine with EngineConfig.cpu_fused_layers off must give
 the same tokens and the same logprobs to the last bit, over decode steps of several sequences and
 prefill chunks small enough for the fused path. (The path's own oracle against transformers is

@@ -18,6 +18,8 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+import kernels
+from engine.layers.context import forward_context
 from engine.loader import resolve_model
 from kernels import cpu_quant
 from engine.weights import checkpoint_tensors, load_weights
@@ -221,7 +223,9 @@ def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog,
     w = floats.model.layers["0"].self_attn.qkv_proj.weight
     assert torch.equal(layer.self_attn.qkv_proj.quant_format.dequantize(layer.self_attn.qkv_proj.weight), w)
     ids = torch.tensor([[0, 5, 7], [model.config.vocab_size - 1, 3, 3]])
-    assert torch.equal(embed(ids), floats.model.embed_tokens(ids))  # gguf's dequantization, row by row
+    for backend in ("torch", "cpu"):  # the rows dequantized by torch ops, and by the C++ kernel
+        with forward_context(None, kernels.get_backend(backend)):
+            assert torch.equal(embed(ids), floats.model.embed_tokens(ids)), backend  # gguf's values, row by row
     assert torch.equal(model.lm_head.quant_format.dequantize(model.lm_head.weight), floats.lm_head.weight)
 
 

@@ -80,6 +80,20 @@ def test_sequence_without_new_queries():
     run(make_batch([0, 2, 1], [5, 7, 9], seed=2))
 
 
+def test_plan_rows_name_each_rows_sequence_and_keys():
+    """Per query row: its sequence and its key count (its position + 1), counted by hand for a
+    decode, a chunk continuing a cached prefix, a sequence with no query and a whole prompt."""
+    from kernels import cpu_ops
+
+    starts = torch.tensor([0, 1, 4, 4, 6], dtype=torch.int32)  # query lengths 1, 3, 0, 2
+    lens = torch.tensor([9, 12, 5, 2], dtype=torch.int32)
+    tables = torch.arange(8, dtype=torch.int32).reshape(4, 2)
+    plan = cpu_ops.plan_attention(tables, starts, lens, 16)
+    assert plan.row_seq.tolist() == [0, 1, 1, 1, 3, 3]
+    assert plan.lens.tolist() == [9, 10, 11, 12, 1, 2]
+    assert plan.block_tables.dtype == torch.int64 and torch.equal(plan.block_tables, tables.long())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_prompt_and_prefix_continuation(dtype):
     run(make_batch([300, 40], [300, 257 + 40], block_size=16, dtype=dtype, seed=11))
