@@ -183,14 +183,27 @@ inline __m256i q4_bytes(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-#endif
-
-#if defined(CPU_CAPABILITY_AVX512)
-
 // How far ahead of the block being multiplied its weight row is prefetched into L1 (measured on
 // the 2-core AVX-512 machine: 1-3 KB all ~2x faster than none with cold weights; see
 // benchmarks/quant/README.md).
 constexpr int64_t kPrefetchBytes = 2048;
+
+// The software prefetch of a decode row (one or two activation rows), as the hardware prefetchers
+// alone left a decode matmul at 40% of the bytes per second: every cache line of the bytes
+// kPrefetchBytes past block wb, a fixed count per block (one for blocks of up to 64 bytes; lines
+// already asked for are asked again, at one load slot each). Asking only for each new line as the
+// stream reached it took a branch per block that 20-byte blocks mispredict: that way Q4_1 at one
+// row ran 1.08x slower, cold and warm (BENCHMARKS.md, "Session 14").
+template <int64_t F>
+inline void prefetch_ahead(const uint8_t* wb) {
+  for (int64_t o = 0; o < kBlockBytes[F]; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes + o, _MM_HINT_T0);
+  }
+}
+
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
 
 // ---- one block as float vectors (AVX-512): decode<F>(block, sink) calls sink(i, w0, w1) for each
 // run of 32 weights i..i+31 of the block (w0: the first 16, w1: the next 16) ----------------------
@@ -299,16 +312,10 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
   // waits on the FMA latency chain, measured 1.4x slower than the block's dequantization alone.
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  // One or two rows: software prefetch kPrefetchBytes ahead in the weight stream (into the next
-  // rows at a row's end), as the hardware prefetchers alone left a decode matmul at 40% of the
-  // bytes per second. With more rows the block's FMAs hide the memory latency and the prefetches
-  // only cost (measured 15-30% slower at 4 rows).
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  // One or two rows: prefetch_ahead (into the next rows at a row's end). With more rows the block's
+  // FMAs hide the memory latency and the prefetches only cost (measured 15-30% slower at 4 rows).
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (R <= 2) {
-      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
-      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
-    }
+    if constexpr (R <= 2) prefetch_ahead<F>(w + b * bb);
     decode<F>(w + b * bb, [&](int64_t i, __m512 w0, __m512 w1) {
       const float* xb = x + b * bw + i;
       for (int r = 0; r < R; ++r) {
@@ -325,7 +332,6 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
 // The same kernels on 256-bit vectors (AVX2 + FMA + F16C: AMD Zen 2/3, Intel before Skylake-X): a
 // run of 32 weights is four vectors of 8 floats. The products are those of the AVX-512 path, so the
 // two builds give the same weights bit for bit.
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline __m256 half_bcast(const uint8_t* p) {
   uint16_t bits;
@@ -468,12 +474,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
   __m256 acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (R <= 2) {
-      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
-      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
-    }
+    if constexpr (R <= 2) prefetch_ahead<F>(w + b * bb);  // as the AVX-512 dot_rows
     decode<F>(w + b * bb, [&](int64_t i, const __m256* v) {
       const float* xb = x + b * bw + i;
       for (int r = 0; r < R; ++r)
@@ -697,12 +699,8 @@ inline void dot_rows_q8(const uint8_t* w, int64_t nb, const QRows<I>& a, int64_t
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128 q4_0_offset = _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f);
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (R <= 2) {  // as dot_rows: the hardware prefetchers alone do not keep up
-      const char* end = reinterpret_cast<const char*>(w + (b + 1) * bb) + kPrefetchBytes;
-      for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
-    }
+    if constexpr (R <= 2) prefetch_ahead<F>(w + b * bb);  // as dot_rows
     const uint8_t* wb = w + b * bb;
     __m128 dm;  // [d_w, m_w] (Q4_1), [d_w, -8 d_w] (Q4_0), [d_w, 0] (Q8_0)
     if constexpr (F == kQ4_1) {
