@@ -8,8 +8,10 @@
 #   llama.cpp: `llama-bench -p 0 -n 128 -d 128` (tg128 @ d128: the forward alone).
 # JSON per round: $OUT/{engine-KIND,llamacpp}-N.json; the summary (each round's tok/s and load, each
 # kind's medians and ratios to the same round's llama.cpp) is printed and written to $OUT/summary.json.
+# MODEL: another .gguf file (default: the default model's Q4_1 file), e.g. its BF16 rewrite
+# (benchmarks/llamacpp/to_bf16_gguf.py), whose "kind" is then only a label (no block matmuls).
 set -eu
-G=$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")
+G=${MODEL:-$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")}
 ROUNDS=${ROUNDS:-5}
 THREADS=${THREADS:-2}
 KINDS=${KINDS:-int16}
