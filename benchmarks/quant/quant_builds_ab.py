@@ -1,0 +1,73 @@
+"""Whole batch-1 decode steps with kernels/cpu_quant.cpp as of another commit against the working
+tree's, in one process (this machine's speed moves 20-40% within minutes, so separate processes
+cannot rank a few percent): the fused decode layers call one build's matmuls or the other's,
+alternating by round; the tokens must be the same. The LM head runs the working tree's build.
+
+    python benchmarks/quant/quant_builds_ab.py COMMIT [--model FILE] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from engine import LLM, SamplingParams
+    from engine.default_model import default_gguf_path
+    from engine.models import cpu_fused_layers
+    from kernels import cpu_build
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("commit")
+    p.add_argument("--model", default=None, help="default: the default model's Q4_1 file")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--new-tokens", type=int, default=128)
+    args = p.parse_args()
+    source = subprocess.run(["git", "show", f"{args.commit}:kernels/cpu_quant.cpp"], check=True,
+                            capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cpu_quant.cpp"
+        path.write_text(source)
+        builds = {"old": cpu_build._build(path, "pagewise_cpu_quant_ab"), "new": cpu_build.load_quant()}
+    chosen = {"build": builds["new"]}
+    cpu_fused_layers._linear_addresses = lambda: (chosen["build"].linear_f32_address(),
+                                                  chosen["build"].linear_q8_address(),
+                                                  chosen["build"].linear_q16_address())
+    llm = LLM(model=args.model or default_gguf_path(), num_threads=2)
+    fused = llm.engine.runner.model.model.fused_layers
+    steps: list[float] = []
+    step = llm.engine.step
+
+    def timed_step(*a, **k):
+        start = time.perf_counter()
+        out = step(*a, **k)
+        steps.append(time.perf_counter() - start)
+        return out
+
+    llm.engine.step = timed_step
+    prompt = list(range(100, 228))
+    params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0, ignore_eos=True)
+    tok_s: dict[str, list[float]] = {"old": [], "new": []}
+    tokens = {}
+    for r in range(args.rounds):
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+            chosen["build"] = builds[name]
+            fused._bound_to = None  # bind again, to this build's matmuls
+            steps.clear()
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert tokens.setdefault(name, out) == out
+            tok_s[name].append(1 / statistics.median(steps[1:]))  # decode steps (the first prefills)
+        print(f"round {r}: {args.commit} {tok_s['old'][-1]:.1f}, working tree {tok_s['new'][-1]:.1f} tok/s, "
+              f"load {open('/proc/loadavg').read().split()[0]}", flush=True)
+    ratio = statistics.median(n / o for n, o in zip(tok_s["new"], tok_s["old"]))
+    print(f"median ratio working tree / {args.commit}: {ratio:.3f}; same tokens: {tokens['old'] == tokens['new']}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
