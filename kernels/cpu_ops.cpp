@@ -632,6 +632,36 @@ int64_t argmax_row(const T* row, int64_t n) {
     if (best == -std::numeric_limits<float>::infinity()) best_at = 0;  // every value -inf: index 0
     start = whole;
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  // The same on 8 lanes for float logits (the scalar loop took ~40 us a 49,152-token row here).
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= 8) {
+      const float ninf = -std::numeric_limits<float>::infinity();
+      __m256 vbest = _mm256_set1_ps(ninf), nans = _mm256_setzero_ps();
+      __m256i vidx = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i step = _mm256_set1_epi32(8);
+      const int64_t whole = n / 8 * 8;
+      for (int64_t i = 0; i < whole; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
+        vbest = _mm256_blendv_ps(vbest, v, gt);
+        vidx = _mm256_blendv_epi8(vidx, idx, _mm256_castps_si256(gt));
+        idx = _mm256_add_epi32(idx, step);
+      }
+      nan = _mm256_movemask_ps(nans) != 0;
+      alignas(32) float lane_best[8];
+      alignas(32) int32_t lane_at[8];
+      _mm256_store_ps(lane_best, vbest);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), vidx);
+      best = *std::max_element(lane_best, lane_best + 8);
+      best_at = n;
+      for (int j = 0; j < 8; ++j)
+        if (lane_best[j] == best) best_at = std::min<int64_t>(best_at, lane_at[j]);
+      if (best == ninf) best_at = 0;  // every value -inf: index 0
+      start = whole;
+    }
+  }
 #endif
   for (int64_t i = start; i < n && !nan; ++i) {
     const float v = static_cast<float>(row[i]);
