@@ -123,15 +123,15 @@ def test_bad_values_name_their_field(bad, name):
 
 
 def test_kv_cache_memory_is_honoured_and_defaults_to_the_cpu_budget(tiny_models, monkeypatch):
-    import engine.model_runner
+    import engine.kv_sizing
 
     path = tiny_models("llama")
     small = LLM(path, device="cpu", kv_cache_memory=1 << 20, max_model_len=64).engine.runner
     per_block = small.kv_bytes_per_token() * small.block_size
     assert small.num_blocks == (1 << 20) // per_block
     # Without kv_cache_memory, CPU takes CPU_KV_CACHE_MEMORY (made small here: 2 GiB would be touched).
-    assert engine.model_runner.CPU_KV_CACHE_MEMORY == CPU_KV_CACHE_MEMORY == 2 << 30
-    monkeypatch.setattr(engine.model_runner, "CPU_KV_CACHE_MEMORY", 3 << 20)
+    assert engine.kv_sizing.CPU_KV_CACHE_MEMORY == CPU_KV_CACHE_MEMORY == 2 << 30
+    monkeypatch.setattr(engine.kv_sizing, "CPU_KV_CACHE_MEMORY", 3 << 20)
     assert LLM(path, device="cpu", max_model_len=64).engine.runner.num_blocks == (3 << 20) // per_block
     with pytest.raises(ValueError, match="raise kv_cache_memory"):
         LLM(path, device="cpu", kv_cache_memory=per_block - 1, max_model_len=64)
