@@ -48,7 +48,8 @@ class KernelFormat(NamedTuple):
     block_bytes: int
 
 
-# The block formats the C++ kernels read, by GGUF type name.
+# The block formats the C++ kernels read, by GGUF type name (BF16: a bfloat16 matrix as stored,
+# engine.quant.BF16, in blocks of 32 with no scale).
 FORMATS = {"Q8_0": KernelFormat(0, 32, 34), "Q4_0": KernelFormat(1, 32, 18), "Q4_1": KernelFormat(2, 32, 20),
            "Q4_K": KernelFormat(3, 256, 144), "Q6_K": KernelFormat(4, 256, 210),
            "BF16": KernelFormat(5, 32, 64)}

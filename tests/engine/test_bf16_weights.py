@@ -99,3 +99,13 @@ def test_engine_knob_reaches_the_loader(bf16_folder):
             assert (layer.self_attn.qkv_proj.quant_format is not None) == kept, config
         finally:
             llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_slice_the_bf16_blocks(bf16_folder):
+    """Two ranks (gloo processes): each holds its rows (qkv, gate_up, the vocabulary) or its whole
+    blocks of inputs (o_proj: 32 a rank) as bf16; down_proj's 40 inputs a rank are not whole blocks and
+    stay float32. The tokens are still transformers'."""
+    want = [hf_greedy(bf16_folder, p, MAX_TOKENS) for p in PROMPTS]
+    assert engine_greedy(bf16_folder, PROMPTS, MAX_TOKENS, num_kv_blocks=64, max_model_len=256,
+                         tensor_parallel_size=2) == want
