@@ -687,6 +687,7 @@ std::vector<torch::Tensor> plan_rows(torch::Tensor block_tables, torch::Tensor q
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
   const int64_t rows = st[seqs];
+  TORCH_CHECK(st[0] == 0, "plan_rows: query_start_loc must start at 0");
   auto row_seq = torch::empty({rows}, starts.options()), row_lens = torch::empty({rows}, starts.options());
   int64_t* rs = row_seq.data_ptr<int64_t>();
   int64_t* rl = row_lens.data_ptr<int64_t>();
@@ -1154,9 +1155,9 @@ at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w
 }
 
 // A model's decoder layers bound once: the per-layer weights, formats, caches and scales, the
-// attention shape and the matmuls' addresses. A step then passes only its own tensors: converting
-// the weight list (270 tensors for the default model) from Python on every call cost ~0.5 ms of a
-// decode step (perf, the AVX2 machine). Bound again whenever the runner allocates new caches.
+// attention shape and the matmuls' addresses. A step then passes only its own tensors, not the
+// weight list (270 tensors for the default model) converted from Python again on every call (~25 us
+// a step on the AVX2 machine). Bound again whenever the runner allocates new caches.
 struct DecoderLayers {
   std::vector<torch::Tensor> weights;
   std::vector<int64_t> formats;

@@ -17,8 +17,8 @@ LAYERS = [
     ("front end", ["engine.frontend"]),
     ("core", ["engine.core", "engine.scheduler", "engine.kv_cache"]),
     ("executor", ["engine.executor"]),
-    ("runner", ["engine.model_runner", "engine.step_inputs", "engine.cuda_graphs", "engine.sampler",
-                "engine.structured_output", "engine.host_memory"]),
+    ("runner", ["engine.model_runner", "engine.kv_sizing", "engine.step_inputs", "engine.cuda_graphs",
+                "engine.sampler", "engine.structured_output", "engine.host_memory"]),
     ("models", ["engine.models", "engine.loader", "engine.weights", "engine.safetensors_slices", "engine.gguf_loader",
                 "engine.gguf_header", "engine.default_model", "engine.user_cache"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
