@@ -12,7 +12,8 @@ import re
 from dataclasses import MISSING, fields
 
 from engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, GGUF_ACTIVATIONS, GGUF_WEIGHTS, KV_CACHE_DTYPES,
-                           QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, EngineConfig, canonical_dtype)
+                           QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, SIZE_UNITS, EngineConfig, canonical_dtype,
+                           parse_size)
 
 # vLLM's short spellings, and the names `engine plan` used before it shared this vocabulary.
 ALIASES = {
@@ -27,8 +28,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
             "attention_backend": ATTENTION_BACKENDS, "gguf_weights": GGUF_WEIGHTS, "quantization": QUANTIZATIONS,
             "quantization_group_size": QUANTIZATION_GROUP_SIZES, "cpu_gguf_activations": GGUF_ACTIVATIONS}
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
-          "tib": 1 << 40, "tb": 10**12}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -54,16 +53,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a unit such as 4GiB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_bytes(n: int) -> str:
     """2147483648 -> '2GiB': the largest binary unit that divides n (help text, logs)."""
     for unit in ("TiB", "GiB", "MiB", "KiB"):
-        size = _UNITS[unit.lower()]
+        size = SIZE_UNITS[unit.lower()]
         if n and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)

@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 CPU_KV_CACHE_MEMORY = 2 * GiB  # the KV budget on CPU when kv_cache_memory is not given
+SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 10**3, "mib": 1 << 20, "mb": 10**6, "gib": 1 << 30, "gb": 10**9,
+              "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(text) -> int:
+    """Bytes from an int or a text with an optional unit ("512MiB", "4GB", "1e6" is not one):
+    kv_cache_memory at the API and its flag alike; ValueError saying what a size looks like."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: use bytes or a unit such as 4GiB or 512MiB")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GGUF_WEIGHTS = ("native", "dequantize")
@@ -167,6 +181,11 @@ class EngineConfig:
               "left at 128 unless quantization is 'int4' (only int4 quantizes in groups here)")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
+        if self.kv_cache_memory is not None:
+            try:
+                self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "None or positive (bytes)")
         if self.cuda_graph_sizes is not None:
             sizes = [self.cuda_graph_sizes] if isinstance(self.cuda_graph_sizes, int) else self.cuda_graph_sizes

@@ -110,13 +110,16 @@ def test_flags_reach_the_config():
     assert config.enforce_eager and config.cuda_graph_sizes == [1, 2, 8] and config.kv_cache_memory == 512 << 20
     default = engine_config_from_args(parser.parse_args([]))
     assert not default.enforce_eager and default.cuda_graph_sizes is None and default.kv_cache_memory is None
+    # The API takes the flag's spellings too (it raised a TypeError on "512MiB").
+    assert EngineConfig(kv_cache_memory="512MiB").kv_cache_memory == 512 << 20
 
 
 @pytest.mark.parametrize("bad, name", [({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
                                        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
                                        ({"cuda_graph_sizes": [0, 8]}, "cuda_graph_sizes"),
                                        ({"cuda_graph_sizes": []}, "cuda_graph_sizes"),
-                                       ({"kv_cache_memory": 0}, "kv_cache_memory")])
+                                       ({"kv_cache_memory": 0}, "kv_cache_memory"),
+                                       ({"kv_cache_memory": "lots"}, "kv_cache_memory")])
 def test_bad_values_name_their_field(bad, name):
     with pytest.raises(ValueError, match=name):
         EngineConfig(**bad)
