@@ -314,6 +314,9 @@ void write_kv_impl(const T* key, const T* value, C* kc, C* vc, const int64_t* sl
         if constexpr (std::is_same_v<T, C>) {
           for (int64_t d = 0; d < dim; ++d) kb[d * bs] = k[d];
           std::copy(v, v + dim, vb);
+        } else if constexpr (!std::is_same_v<C, fp8>) {  // a 16-bit cache under float32: rounded to nearest even
+          for (int64_t d = 0; d < dim; ++d) kb[d * bs] = static_cast<C>(static_cast<float>(k[d]));
+          for (int64_t d = 0; d < dim; ++d) vb[d] = static_cast<C>(static_cast<float>(v[d]));
         } else {
           for (int64_t d = 0; d < dim; ++d) kb[d * bs] = to_fp8(static_cast<float>(k[d]), k_scale);
           for (int64_t d = 0; d < dim; ++d) vb[d] = to_fp8(static_cast<float>(v[d]), v_scale);
@@ -330,9 +333,11 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
               value.stride(1) == value.size(2), "write_kv: key/value heads must be contiguous rows");
   const bool quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool narrow = key.scalar_type() == at::kFloat &&
+                      (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && value.scalar_type() == key.scalar_type() &&
-              (quantize || key.scalar_type() == k_cache.scalar_type()),
-              "write_kv: key/value dtype must match the cache's (or the cache be fp8 e4m3)");
+              (quantize || narrow || key.scalar_type() == k_cache.scalar_type()),
+              "write_kv: key/value dtype must match the cache's (or the cache be fp8 e4m3, or 16-bit under float32)");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "write_kv: k_scale and v_scale must be positive");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
@@ -340,7 +345,14 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   int64_t total = num_blocks * bs;
   TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < total, "write_kv: slot outside the cache");
   PW_DISPATCH(key.scalar_type(), "write_kv", [&] {
-    if (quantize) {
+    if (narrow) {  // scalar_t is float here; the cache bfloat16 or float16
+      PW_DISPATCH(k_cache.scalar_type(), "write_kv", [&] {
+        using C = scalar_t;
+        write_kv_impl<float, C>(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<C>(),
+                                v_cache.data_ptr<C>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim, num_blocks,
+                                bs, key.stride(0), value.stride(0), 1.f, 1.f);
+      });
+    } else if (quantize) {
       write_kv_impl<scalar_t, fp8>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<fp8>(),
                                    v_cache.data_ptr<fp8>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim,
                                    num_blocks, bs, key.stride(0), value.stride(0), static_cast<float>(k_scale),
@@ -538,9 +550,13 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "paged_attention: query/out heads must be contiguous rows");
   const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK((fp8_cache || query.scalar_type() == k_cache.scalar_type()) &&
+  // A bfloat16 / float16 cache under float32 queries: read widened, as the fp8 cache is.
+  const bool narrow = query.scalar_type() == at::kFloat &&
+                      (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK((fp8_cache || narrow || query.scalar_type() == k_cache.scalar_type()) &&
               v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_attention: query, out and cache dtypes must match (or the cache be fp8 e4m3)");
+              "paged_attention: query, out and cache dtypes must match (or the cache be fp8 e4m3, or 16-bit under "
+              "float32)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && row_seq.scalar_type() == at::kLong &&
               row_seq.is_contiguous() && lens.scalar_type() == at::kLong && lens.is_contiguous(),
               "paged_attention: block_tables, row_seq and lens must be contiguous int64 (kernels/cpu_ops.py plans them)");
@@ -561,6 +577,11 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
     };
     if (fp8_cache) {
       run(fp8());
+    } else if (narrow) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (k_cache.scalar_type() == at::kBFloat16) run(c10::BFloat16());
+        else run(c10::Half());
+      }
     } else {
       run(scalar_t());
     }

@@ -10,7 +10,8 @@ Cache layout: keys transposed within each block (kernels/cpu_ops.cpp says why), 
 Both tensors are handed out as the reference's logical [num_blocks, block_size, num_kv_heads,
 head_dim] views, so every logical consumer (copy_blocks, tests) reads them as any other cache.
 An fp8 (e4m3) cache is quantized by write_kv and read by the attention's inner loops as e4m3 *
-scale, as kernels/reference.py defines them.
+scale, as kernels/reference.py defines them; a bfloat16 / float16 cache under a float32 model
+likewise (rounded to nearest even as written, widened as read): half a float32 cache's bytes.
 """
 
 from __future__ import annotations
@@ -56,9 +57,14 @@ def _physical(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return k, v
 
 
+def _narrow_cache(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """A bfloat16 / float16 cache under a float32 model: the C++ kernels convert as they write and read."""
+    return query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+
+
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    if not reference.is_fp8(k_cache.dtype):  # an fp8 cache quantizes from the model's dtype in C++
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    if not reference.is_fp8(k_cache.dtype) and not _narrow_cache(key.dtype, k_cache.dtype):
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)  # fp8 and 16-bit caches convert in C++
     load().write_kv(key, value, *_physical(k_cache, v_cache), slot_mapping, k_scale, v_scale)
 
 
@@ -68,8 +74,8 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     k, v = _physical(k_cache, v_cache)
     plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     rows = plan.row_seq.numel()
-    if query.dtype != k.dtype and not reference.is_fp8(k.dtype):
-        # A 16-bit kv_cache_dtype under a float32 model: the reference converts.
+    if query.dtype != k.dtype and not reference.is_fp8(k.dtype) and not _narrow_cache(query.dtype, k.dtype):
+        # Other mixed dtypes (a float32 cache under a 16-bit model): the reference converts.
         out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
         return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out
     out = torch.empty_like(query, memory_format=torch.contiguous_format)

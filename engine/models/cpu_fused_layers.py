@@ -13,7 +13,7 @@ only where that holds, else the modules run:
   the qkv projection, one tensor-parallel rank, a single pipeline stage;
 - per step: the cpu backend, at most DEQUANT_GEMM_ROWS tokens (where cpu_quant.linear takes its
   register kernel for every block weight), activations in float32 or bfloat16 and weights, norms
-  and a KV cache (or fp8) of that dtype, and the step's attention plan.
+  and a KV cache of that dtype (or fp8, or 16-bit under float32), and the step's attention plan.
 EngineConfig.cpu_fused_layers turns it off (for measurement: the same tokens, slower).
 """
 
@@ -104,8 +104,10 @@ class CpuFusedLayers:
         attn = self.layers[0].self_attn.attn
         if attn.k_cache is None or meta.plan is None:
             return False
-        if attn.k_cache.dtype != hidden.dtype and not is_fp8(attn.k_cache.dtype):
-            return False  # the modules convert 16-bit caches under float32 models through the reference
+        cache = attn.k_cache.dtype
+        if cache != hidden.dtype and not is_fp8(cache) and not (
+                hidden.dtype == torch.float32 and cache in (torch.bfloat16, torch.float16)):
+            return False  # the modules convert other mixes (a float32 cache under 16 bits) through the reference
         key = (hidden.shape[0], hidden.dtype)
         if key not in self._rows_ok:
             ok = hidden.dtype in (torch.float32, torch.bfloat16) and hidden.shape[0] <= cpu_quant.DEQUANT_GEMM_ROWS \

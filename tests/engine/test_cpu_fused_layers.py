@@ -57,6 +57,7 @@ def run(path, prompts, **config):
 
 @pytest.mark.parametrize("model_type, quantization, kv_cache_dtype, unpack", [
     ("llama", "int8", "auto", False), ("llama", "int4", "auto", False), ("llama", "int4", "fp8", False),
+    ("llama", "int4", "bfloat16", False), ("qwen3", None, "float16", False),  # 16-bit caches under float32
     ("qwen2", "int8", "auto", False),  # the qkv bias, added after the block matmul
     ("qwen3", "int4", "auto", False),  # the q/k norms
     ("llama", None, "auto", False),  # float weights: oneDNN's packed matmul where it packs them
@@ -78,6 +79,20 @@ def test_fused_layers_compute_what_the_modules_compute(tmp_path, monkeypatch, mo
     assert modules_steps == 0
     assert tokens == want_tokens
     assert logprobs == want_logprobs  # exact: the same kernels on the same tensors
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16_bit_cache_gives_the_reference_backends_tokens(tmp_path, kv_cache_dtype):
+    """A 16-bit KV cache under a float32 model: the cpu backend's C++ write and attention (the fused
+    layers at decode) against the torch backend, which stores and reads the same rounded cache through
+    kernels/reference.py."""
+    path = tiny(tmp_path / "tiny", "llama")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30)]
+    tokens, _, steps = run(path, prompts, kv_cache_dtype=kv_cache_dtype)
+    assert steps > 10, "the fused path was not taken"
+    want, _, _ = run(path, prompts, kv_cache_dtype=kv_cache_dtype, attention_backend="torch")
+    assert tokens == want
 
 
 def test_steps_above_the_register_rows_run_the_modules(tmp_path):

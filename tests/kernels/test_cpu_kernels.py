@@ -234,17 +234,35 @@ def test_packed_linear_matches_float64(dtype):
         torch.testing.assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
 
 
-def test_cache_dtype_unlike_the_query_takes_the_reference_path():
-    # kv_cache_dtype="bfloat16" under a float32 model: the C++ op wants one dtype, so the cpu
-    # backend hands such a batch to the reference, which reads its cache layout like any other.
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_cache_under_float32_queries(cache_dtype):
+    """kv_cache_dtype bfloat16 / float16 under a float32 model: the C++ ops round keys and values as
+    they write them (as the reference's store does) and widen them as they read; the attention is
+    the reference's on the same cache. A float32 cache under bfloat16 queries still takes the reference."""
+    gen = torch.Generator().manual_seed(3)
+    nb, bs, h, d = 6, 16, 2, 32
+    k_ref, v_ref = (torch.zeros(nb, bs, h, d, dtype=cache_dtype) for _ in range(2))
+    k, v = kernels.allocate_kv_cache(nb, bs, h, d, cache_dtype, "cpu", backend="cpu")
+    key, value = torch.randn(2, 20, h, d, generator=gen)
+    slots = torch.randperm(nb * bs, generator=gen)[:20]
+    reference.write_kv(key, value, k_ref, v_ref, slots)
+    kernels.write_kv(key, value, k, v, slots, backend="cpu")
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
     b = make_batch([1, 5, 1], [30, 5, 17], dtype=torch.float32, seed=4)
-    b.k_cache, b.v_cache = b.k_cache.bfloat16(), b.v_cache.bfloat16()
+    b.k_cache, b.v_cache = b.k_cache.to(cache_dtype), b.v_cache.to(cache_dtype)
     want = reference.paged_attention(*b.args())
     b = to_cpu_layout(b)
     got = kernels.paged_attention(*b.args(), backend="cpu")
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got[:b.num_tokens], want[:b.num_tokens])
     assert bool((got[b.num_tokens:] == 0).all())
+
+    b = make_batch([1, 3], [9, 3], dtype=torch.bfloat16, seed=5)
+    b.k_cache, b.v_cache = b.k_cache.float(), b.v_cache.float()
+    want = reference.paged_attention(*b.args())
+    got = kernels.paged_attention(*to_cpu_layout(b).args(), backend="cpu")
+    torch.testing.assert_close(got[:b.num_tokens], want[:b.num_tokens])
 
 
 def test_padded_step_sizes_are_few_and_close():
