@@ -76,6 +76,23 @@ inline fVec load_f(const T* p, int64_t n = kF) {
   } else if constexpr (std::is_same_v<T, fp8>) {
     return load_fp8(reinterpret_cast<const uint8_t*>(p), n);
   } else {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    // A whole vector's worth of 16-bit values, widened in registers: Vectorized<T>::loadu(p, n)
+    // holds twice kF elements, so a count of kF took its partial-load path (a copy through a
+    // buffer), which made a bfloat16 cache under a float32 model slower than a float32 one.
+    if (n == kF) {
+      using Half16 = std::conditional_t<kF == 16, __m256i, __m128i>;
+      Half16 raw;
+      std::memcpy(&raw, p, sizeof(raw));
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      else return fVec(_mm512_cvtph_ps(raw));
+#else
+      if constexpr (std::is_same_v<T, c10::BFloat16>) return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+      else return fVec(_mm256_cvtph_ps(raw));
+#endif
+    }
+#endif
     auto v = at::vec::Vectorized<T>::loadu(p, n);
     return std::get<0>(at::vec::convert_to_float<T>(v));
   }
