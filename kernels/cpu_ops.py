@@ -57,13 +57,13 @@ def _physical(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tenso
     return k, v
 
 
-def _narrow_cache(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+def narrow_cache(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """A bfloat16 / float16 cache under a float32 model: the C++ kernels convert as they write and read."""
     return query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    if not reference.is_fp8(k_cache.dtype) and not _narrow_cache(key.dtype, k_cache.dtype):
+    if not reference.is_fp8(k_cache.dtype) and not narrow_cache(key.dtype, k_cache.dtype):
         key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)  # fp8 and 16-bit caches convert in C++
     load().write_kv(key, value, *_physical(k_cache, v_cache), slot_mapping, k_scale, v_scale)
 
@@ -74,7 +74,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     k, v = _physical(k_cache, v_cache)
     plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     rows = plan.row_seq.numel()
-    if query.dtype != k.dtype and not reference.is_fp8(k.dtype) and not _narrow_cache(query.dtype, k.dtype):
+    if query.dtype != k.dtype and not reference.is_fp8(k.dtype) and not narrow_cache(query.dtype, k.dtype):
         # Other mixed dtypes (a float32 cache under a 16-bit model): the reference converts.
         out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
         return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out

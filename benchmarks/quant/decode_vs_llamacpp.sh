@@ -10,6 +10,7 @@
 # kind's medians and ratios to the same round's llama.cpp) is printed and written to $OUT/summary.json.
 # MODEL: another .gguf file (default: the default model's Q4_1 file), e.g. its BF16 rewrite
 # (benchmarks/llamacpp/to_bf16_gguf.py), whose "kind" is then only a label (no block matmuls).
+# EXTRA: more flags for pagewise, e.g. "--kv-cache-dtype float16" (llama.cpp's default KV type).
 set -eu
 G=${MODEL:-$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")}
 ROUNDS=${ROUNDS:-5}
@@ -22,7 +23,7 @@ for i in $(seq 1 "$ROUNDS"); do
     for kind in $KINDS; do
         echo "== round $i: pagewise ($kind), load $(cut -d' ' -f1 /proc/loadavg)"
         python -m engine.cli bench latency --backend engine --batch-size 1 --model "$G" --input-len 128 \
-            --output-len 128 --num-iters 3 --num-threads "$THREADS" --disable-tqdm --cpu-gguf-activations "$kind" \
+            --output-len 128 --num-iters 3 --num-threads "$THREADS" --disable-tqdm --cpu-gguf-activations "$kind" ${EXTRA:-} \
             --output-json "$OUT/engine-$kind-$i.json" > /dev/null 2>&1
     done
     echo "== round $i: llama.cpp, load $(cut -d' ' -f1 /proc/loadavg)"

@@ -99,14 +99,13 @@ class CpuFusedLayers:
         self._bound_to = self.layers[0].self_attn.attn.k_cache
 
     def _takes(self, hidden: torch.Tensor, meta) -> bool:
-        from kernels import cpu_quant
+        from kernels import cpu_ops, cpu_quant
 
         attn = self.layers[0].self_attn.attn
         if attn.k_cache is None or meta.plan is None:
             return False
         cache = attn.k_cache.dtype
-        if cache != hidden.dtype and not is_fp8(cache) and not (
-                hidden.dtype == torch.float32 and cache in (torch.bfloat16, torch.float16)):
+        if cache != hidden.dtype and not is_fp8(cache) and not cpu_ops.narrow_cache(hidden.dtype, cache):
             return False  # the modules convert other mixes (a float32 cache under 16 bits) through the reference
         key = (hidden.shape[0], hidden.dtype)
         if key not in self._rows_ok:
