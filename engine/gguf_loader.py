@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from engine.gguf_header import GGUFHeader, open_gguf
-from engine.quant import FORMATS, QuantizedTensor
+from engine.quant import AS_STORED, FORMATS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class GGUFModel:
 
     def tensors(self, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Yield (HF name, float32 tensor), dequantizing one tensor at a time; a name in `native`
-        (its type one of engine.quant.FORMATS) comes as stored instead, a QuantizedTensor."""
+        (its type one of engine.quant.AS_STORED: a block format, or BF16) comes as stored instead, a
+        QuantizedTensor."""
         cfg = self.config
         for t in self.reader.tensors:
             name = _hf_name(t.name)
@@ -131,7 +132,8 @@ class GGUFModel:
                 elif ".k_proj." in name:
                     w = _unpermute_rotary(w, cfg.num_key_value_heads)
             if name in native:
-                yield name, QuantizedTensor(torch.from_numpy(np.array(w, dtype=np.uint8)), FORMATS[t.tensor_type.name])
+                blocks = torch.from_numpy(np.array(w, dtype=np.uint8))
+                yield name, QuantizedTensor(blocks, AS_STORED[t.tensor_type.name])
             else:
                 yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # copy: off the memmap
 

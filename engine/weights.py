@@ -175,6 +175,8 @@ class KeepBF16:
             module.quantize_weight(BF16)
             kept_bytes += module.weight.numel()
             self.kept.update(name for name, _ in group)
+            if isinstance(self.tensors, GGUFTensors):
+                self.tensors.native.update(name for name, _ in group)  # its rows come as stored, not via float32
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # a tied LM head reads the embedding's bf16 blocks
         if self.kept:
@@ -185,11 +187,9 @@ class KeepBF16:
         from engine.quant import BF16, QuantizedTensor
 
         for name, tensor in self.tensors:
-            if name in self.kept:
-                if isinstance(tensor, SafetensorsSlice):
-                    tensor = tensor.read()  # whole; each rank's loader slices the blocks
-                # A GGUF file's tensor comes as float32 (its bfloat16 values, exactly).
-                tensor = QuantizedTensor(tensor.to(torch.bfloat16).contiguous().view(torch.uint8), BF16)
+            if name in self.kept and isinstance(tensor, SafetensorsSlice):  # a GGUF file's come as stored
+                # Read whole (each rank's loader slices the blocks), in its stored dtype: bfloat16.
+                tensor = QuantizedTensor(tensor.read().contiguous().view(torch.uint8), BF16)
             yield name, tensor
 
 

@@ -11,10 +11,10 @@ int8 | int4` (quantize.py), and pre-quantized GPTQ / AWQ / compressed-tensors ch
 the triton and torch backends read.
 """
 
-from engine.quant.formats import BF16, BLOCK_SIZE, FLOAT_TYPES, FORMATS, BlockFormat, reference_linear
+from engine.quant.formats import AS_STORED, BF16, BLOCK_SIZE, FLOAT_TYPES, FORMATS, BlockFormat, reference_linear
 from engine.quant.tensor import QuantizedTensor
 from engine.quant.quantize import quantize
 from engine.quant.prequantized import METHODS as PREQUANTIZED_METHODS, read_quantization_config
 
-__all__ = ["BF16", "BLOCK_SIZE", "FLOAT_TYPES", "FORMATS", "PREQUANTIZED_METHODS", "BlockFormat", "QuantizedTensor",
-           "quantize", "read_quantization_config", "reference_linear"]
+__all__ = ["AS_STORED", "BF16", "BLOCK_SIZE", "FLOAT_TYPES", "FORMATS", "PREQUANTIZED_METHODS", "BlockFormat",
+           "QuantizedTensor", "quantize", "read_quantization_config", "reference_linear"]

@@ -165,6 +165,9 @@ FORMATS = {f.name: f for f in (
 # float32's bytes, the same values. Blocks of 32 so the block kernels serve it; not a GGUF
 # quantized type, so not in FORMATS (engine/weights.py keep_bf16 chooses it).
 BF16 = BlockFormat("BF16", 64, _widen_bf16)
+# Every format a checkpoint tensor can be held in as stored, by its type name (GGUF's and safetensors'
+# name for bfloat16 is BF16 too).
+AS_STORED = {**FORMATS, BF16.name: BF16}
 
 _cpu = []  # [module or None], filled on the first cpu-backend matmul
 

@@ -15,11 +15,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.quant import BF16, FORMATS, QuantizedTensor, reference_linear
+from engine.quant import AS_STORED, FORMATS, QuantizedTensor, reference_linear
 from kernels import cpu_build, cpu_quant
 from tests.kernels.gguf_blocks import quantize
 
-BLOCK_FORMATS = {**FORMATS, "BF16": BF16}  # what the CPU kernels read
+BLOCK_FORMATS = AS_STORED  # what the CPU kernels read
 FORMAT_NAMES = sorted(BLOCK_FORMATS)
 # Byte ranges of each format's fp16 scales/mins: random blocks get finite values there.
 FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
