@@ -343,6 +343,12 @@ void write_kv_impl(const T* key, const T* value, C* kc, C* vc, const int64_t* sl
   });
 }
 
+// A bfloat16 / float16 cache under float32 activations (kernels/cpu_ops.py narrow_cache): written
+// rounded, read widened, as an fp8 cache is.
+inline bool narrow_cache(at::ScalarType activations, at::ScalarType cache) {
+  return activations == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf);
+}
+
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping, double k_scale, double v_scale) {
   // k_cache [kv_heads, num_blocks, head_dim, block_size], v_cache [kv_heads, num_blocks, block_size, head_dim]
@@ -350,8 +356,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
               value.stride(1) == value.size(2), "write_kv: key/value heads must be contiguous rows");
   const bool quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  const bool narrow = key.scalar_type() == at::kFloat &&
-                      (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  const bool narrow = narrow_cache(key.scalar_type(), k_cache.scalar_type());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && value.scalar_type() == key.scalar_type() &&
               (quantize || narrow || key.scalar_type() == k_cache.scalar_type()),
               "write_kv: key/value dtype must match the cache's (or the cache be fp8 e4m3, or 16-bit under float32)");
@@ -567,9 +572,7 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "paged_attention: query/out heads must be contiguous rows");
   const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  // A bfloat16 / float16 cache under float32 queries: read widened, as the fp8 cache is.
-  const bool narrow = query.scalar_type() == at::kFloat &&
-                      (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  const bool narrow = narrow_cache(query.scalar_type(), k_cache.scalar_type());
   TORCH_CHECK((fp8_cache || narrow || query.scalar_type() == k_cache.scalar_type()) &&
               v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "paged_attention: query, out and cache dtypes must match (or the cache be fp8 e4m3, or 16-bit under "

@@ -15,7 +15,7 @@ import time
 
 import torch.distributed as dist
 
-from engine.layers.linear import packed_bytes
+from engine.layers.linear import resident_bytes, storage_bytes
 from engine.layers.moe import packed_expert_bytes
 from engine.distributed import pipeline
 from engine.distributed.groups import destroy_distributed, init_distributed
@@ -72,25 +72,14 @@ def run_step(runner, msg: StepMessage, sends_output: bool) -> list:
     return outs
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`: what the process really holds, so a view
-    into a larger tensor, or a tied weight counted twice, would show."""
-    seen = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def rank_report(runner) -> dict:
     """This rank's memory, measured from its tensors, and where its step time went."""
     c = pipeline.clock
     return {
         "rank": dist.get_rank(), "stage": pp_state().rank, "tp_rank": tp_state().rank,
         "layer_range": pp_state().layer_range, "num_layers": len(list(runner.model.layers())),
-        "param_bytes": (_storage_bytes(runner.model.parameters()) + packed_bytes(runner.model)
-                        + packed_expert_bytes(runner.model)),
-        "kv_cache_bytes": _storage_bytes(runner.kv_caches), "num_blocks": runner.num_blocks,
+        "param_bytes": resident_bytes(runner.model) + packed_expert_bytes(runner.model),
+        "kv_cache_bytes": storage_bytes(runner.kv_caches), "num_blocks": runner.num_blocks,
         "steps": c.steps, "step_s": c.step_s, "compute_s": c.compute_s, "recv_wait_s": c.recv_wait_s,
         "busy_s": c.busy_s,
     }

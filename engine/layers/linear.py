@@ -44,10 +44,7 @@ def pack_weights(model: nn.Module, pack_linear_weight: Callable, pack_blocks: Ca
 def weight_bytes_summary(model: nn.Module) -> str:
     """The weights' resident bytes: distinct parameter storages plus packed copies, with the
     share held in a block format (GGUF blocks or their repacked copies, bf16 matrices as stored)."""
-    storages = {}
-    for p in model.parameters():
-        storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    total = sum(storages.values()) + packed_bytes(model)
+    total = resident_bytes(model)
     quantized: dict[str, list[int]] = {}
     seen = set()  # a tied LM head's parameter is the embedding's: one matrix (unless it has its own copy)
     for m in model.modules():
@@ -62,6 +59,19 @@ def weight_bytes_summary(model: nn.Module) -> str:
         entry[1] += packed.nbytes if packed is not None else 0
     parts = ", ".join(f"{n} matrices {fmt} {b / 2**20:.1f} MiB" for fmt, (n, b) in sorted(quantized.items()))
     return f"{total / 2**20:.1f} MiB" + (f" (as blocks: {parts})" if parts else "")
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: what the process really holds, so a view
+    into a larger tensor, or a tied weight counted twice, would show."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The weights' bytes in memory: each distinct parameter storage once (a tied matrix is one),
+    plus the packed copies."""
+    return storage_bytes(model.parameters()) + packed_bytes(model)
 
 
 def packed_bytes(model: nn.Module) -> int:

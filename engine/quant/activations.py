@@ -25,9 +25,11 @@ def mark(model: nn.Module, kind: str) -> None:
 
     if cpu_build.available() is not None:
         return  # no C++ kernels: the reference multiplies every format in float
-    # bf16 matrices held as stored (engine.quant.BF16) are float weights: they keep float activations.
+    from engine.quant import BF16
+
+    # bf16 matrices held as stored are float weights: they keep float activations.
     matmuls = [m for m in model.modules()
-               if hasattr(m, "activations") and m.quant_format is not None and m.quant_format.name != "BF16"]
+               if hasattr(m, "activations") and m.quant_format is not None and m.quant_format is not BF16]
     formats = {m.quant_format.name for m in matmuls}
     taken = sorted(f for f in formats if cpu_quant.takes_activations(f, kind))
     for m in matmuls:

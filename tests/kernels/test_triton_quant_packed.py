@@ -108,7 +108,7 @@ def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, 
     and the weights' resident bytes equal the torch backend's (which multiplies the blocks), as does
     the start-up log's summary (every matrix counted, in the same MiB)."""
     from engine import LLM
-    from engine.layers.linear import packed_bytes, weight_bytes_summary
+    from engine.layers.linear import resident_bytes, weight_bytes_summary
     from tests.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -127,8 +127,7 @@ def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, 
                     assert isinstance(m.packed_weight, packed.PackedWeight) and m.weight.numel() == 0
                 else:
                     assert m.packed_weight is None and m.weight.numel() > 0
-            storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-            resident[backend] = sum(storages.values()) + packed_bytes(model), weight_bytes_summary(model)
+            resident[backend] = resident_bytes(model), weight_bytes_summary(model)
         finally:
             llm.shutdown()
     assert resident["triton"] == resident["torch"]
