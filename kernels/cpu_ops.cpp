@@ -366,15 +366,16 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   TORCH_CHECK(key.size(1) == heads && key.size(2) == dim, "write_kv: key shape does not match the cache");
   int64_t total = num_blocks * bs;
   TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < total, "write_kv: slot outside the cache");
+  if (narrow) {  // float32 keys and values; the cache bfloat16 or float16
+    PW_DISPATCH(k_cache.scalar_type(), "write_kv", [&] {
+      write_kv_impl<float, scalar_t>(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
+                                     v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), key.size(0), heads,
+                                     dim, num_blocks, bs, key.stride(0), value.stride(0), 1.f, 1.f);
+    });
+    return;
+  }
   PW_DISPATCH(key.scalar_type(), "write_kv", [&] {
-    if (narrow) {  // scalar_t is float here; the cache bfloat16 or float16
-      PW_DISPATCH(k_cache.scalar_type(), "write_kv", [&] {
-        using C = scalar_t;
-        write_kv_impl<float, C>(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<C>(),
-                                v_cache.data_ptr<C>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim, num_blocks,
-                                bs, key.stride(0), value.stride(0), 1.f, 1.f);
-      });
-    } else if (quantize) {
+    if (quantize) {
       write_kv_impl<scalar_t, fp8>(key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), k_cache.data_ptr<fp8>(),
                                    v_cache.data_ptr<fp8>(), slots.data_ptr<int64_t>(), key.size(0), heads, dim,
                                    num_blocks, bs, key.stride(0), value.stride(0), static_cast<float>(k_scale),
