@@ -1,4 +1,5 @@
-"""The engine's side of the token-parity tests: one engine, a batch of prompts, greedy tokens."""
+"""The engine's side of the token-parity tests: one engine, a batch of prompts, greedy tokens; and
+a model loaded as the engine loads it, for tests that inspect its weights."""
 
 from __future__ import annotations
 
@@ -15,3 +16,20 @@ def engine_greedy(path, prompts: list[list[int]], max_tokens: int, **config) -> 
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]
+
+
+def loaded_model(path, keep_bf16: bool = False, **source):
+    """The model at `path` built on the CPU and loaded as the runner loads it (resolve_model, then
+    load_weights(checkpoint_tensors)), without packing or a KV cache; `source` goes to resolve_model
+    (gguf_weights, quantization, ...), keep_bf16 to checkpoint_tensors."""
+    import torch
+
+    from engine.loader import resolve_model
+    from engine.models.registry import model_class
+    from engine.weights import checkpoint_tensors, load_weights
+
+    resolved = resolve_model(str(path), **source)
+    with torch.device("cpu"):
+        model = model_class(resolved.hf_config.model_type)(resolved.hf_config, max_positions=256)
+    load_weights(model, checkpoint_tensors(resolved, keep_bf16))
+    return model

@@ -10,9 +10,7 @@ import torch
 
 import kernels
 from engine.layers.context import forward_context
-from engine.loader import resolve_model
-from engine.weights import checkpoint_tensors, load_weights
-from tests.engine.engine_runs import engine_greedy
+from tests.engine.engine_runs import engine_greedy, loaded_model
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_gguf_native import write_gguf
 from tests.tiny_model import build_tiny_model
@@ -37,21 +35,11 @@ def bf16_folder(tmp_path_factory):
     return str(folder)
 
 
-def _loaded(path: str, keep_bf16: bool):
-    from engine.models.registry import model_class
-
-    source = resolve_model(path, tokenizer_path=None)
-    with torch.device("cpu"):
-        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
-    load_weights(model, checkpoint_tensors(source, keep_bf16))
-    return model
-
-
 def test_bf16_matrices_are_held_as_stored(bf16_folder):
     """The linear layers whose inputs are whole blocks, the embedding and the tied LM head hold the
     checkpoint's bf16 bytes; down_proj (80 inputs) and the norms are float32; every weight equals
     the float32 load's."""
-    model, floats = _loaded(bf16_folder, keep_bf16=True), _loaded(bf16_folder, keep_bf16=False)
+    model, floats = loaded_model(bf16_folder, keep_bf16=True), loaded_model(bf16_folder)
     layer, float_layer = model.model.layers["0"], floats.model.layers["0"]
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
         m = layer.get_submodule(name)
@@ -79,7 +67,7 @@ def test_bf16_gguf_generates_transformers_tokens(tmp_path, bf16_folder):
     GGUF path alone would convert to float32), and the tokens are transformers'."""
     path = tmp_path / "bf16.gguf"
     write_gguf(path, bf16_folder, "llama", "BF16")
-    model = _loaded(str(path), keep_bf16=True)
+    model = loaded_model(path, keep_bf16=True)
     assert model.model.layers["1"].self_attn.qkv_proj.quant_format.name == "BF16"
     assert model.model.embed_tokens.quant_format.name == "BF16"
     want = [hf_greedy(bf16_folder, p, MAX_TOKENS) for p in PROMPTS]

@@ -20,10 +20,8 @@ from transformers import AutoConfig
 
 import kernels
 from engine.layers.context import forward_context
-from engine.loader import resolve_model
 from kernels import cpu_quant
-from engine.weights import checkpoint_tensors, load_weights
-from tests.engine.engine_runs import engine_greedy
+from tests.engine.engine_runs import engine_greedy, loaded_model
 from tests.kernels.gguf_blocks import quantize
 from tests.tiny_model import build_tiny_model
 
@@ -156,7 +154,7 @@ def test_native_k_quant_gguf_generates_the_dequantized_tokens(tmp_path, tiny, ar
     folder = tiny(arch, wide=True)
     path = tmp_path / f"{qtype}.gguf"
     write_gguf(path, folder, arch, qtype)
-    model = _loaded(path)
+    model = loaded_model(path)
     assert model.model.layers["1"].mlp.down_proj.quant_format.name == qtype
     want = greedy(path, folder, dtype="float32", gguf_weights="dequantize")
     # float32: the kernels differ from the float matmul in summation order only.
@@ -176,7 +174,7 @@ def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
     six = {"output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}
     write_gguf(path, folder, "llama", "Q4_K", override=dict.fromkeys(six, "Q6_K"))
     with caplog.at_level(logging.INFO, logger="engine.weights"):
-        model = _loaded(path)
+        model = loaded_model(path)
     layers = model.model.layers
     assert layers["0"].self_attn.qkv_proj.quant_format is None
     assert "blk.0.attn_q.weight (Q4_K, its layer mixes types)" in caplog.text
@@ -187,16 +185,6 @@ def test_q4_k_m_style_mix(tmp_path, tiny, caplog):
     assert greedy(path, folder, dtype="float32") == greedy(path, folder, dtype="float32", gguf_weights="dequantize")
 
 
-def _loaded(path, gguf_weights: str = "native"):
-    from engine.models.registry import model_class
-
-    source = resolve_model(str(path), tokenizer_path=None, gguf_weights=gguf_weights)
-    with torch.device("cpu"):
-        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
-    load_weights(model, checkpoint_tensors(source))
-    return model
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings
 def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog, arch):
     """Every matrix stays as stored: the linear layers, the embedding (a lookup dequantizes only the
@@ -205,7 +193,7 @@ def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog,
     path = tmp_path / "q.gguf"
     write_gguf(path, folder, arch, "Q4_1", override={"token_embd.weight": "Q8_0"})
     with caplog.at_level(logging.INFO, logger="engine.weights"):
-        model = _loaded(path)
+        model = loaded_model(path)
     layer = model.model.layers["0"]
     assert layer.self_attn.qkv_proj.quant_format.name == "Q4_1"
     assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
@@ -218,7 +206,7 @@ def test_linear_layers_embedding_and_lm_head_hold_blocks(tmp_path, tiny, caplog,
         assert model.lm_head.quant_format.name == "Q4_1"
     assert "dequantized" not in caplog.text
 
-    floats = _loaded(path, gguf_weights="dequantize")
+    floats = loaded_model(path, gguf_weights="dequantize")
     assert floats.model.layers["0"].self_attn.qkv_proj.quant_format is None
     w = floats.model.layers["0"].self_attn.qkv_proj.weight
     assert torch.equal(layer.self_attn.qkv_proj.quant_format.dequantize(layer.self_attn.qkv_proj.weight), w)
@@ -234,7 +222,7 @@ def test_mixed_types_in_one_layer_are_dequantized_with_a_log_line(tmp_path, tiny
     path = tmp_path / "mixed.gguf"
     write_gguf(path, folder, "llama", "Q4_0", override={"blk.0.attn_v.weight": "Q8_0"})
     with caplog.at_level(logging.INFO, logger="engine.weights"):
-        model = _loaded(path)
+        model = loaded_model(path)
     assert model.model.layers["0"].self_attn.qkv_proj.quant_format is None
     assert model.model.layers["1"].self_attn.qkv_proj.quant_format.name == "Q4_0"
     assert "mixes types" in caplog.text
@@ -247,7 +235,7 @@ def test_a_type_without_a_native_kernel_is_dequantized_and_said_so(tmp_path, tin
     path = tmp_path / "q5.gguf"
     write_gguf(path, folder, "llama", "Q4_0", override={"blk.1.ffn_down.weight": "Q5_0"})
     with caplog.at_level(logging.WARNING, logger="engine.weights"):
-        model = _loaded(path)
+        model = loaded_model(path)
     assert model.model.layers["1"].mlp.down_proj.quant_format is None
     assert model.model.layers["1"].mlp.gate_up_proj.quant_format.name == "Q4_0"
     assert "blk.1.ffn_down.weight (Q5_0, no native kernel for it yet)" in caplog.text

@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig
 from engine.loader import resolve_model
-from engine.weights import checkpoint_tensors, load_weights
 from engine.quant.quantize import quantize
-from tests.engine.engine_runs import engine_greedy
+from tests.engine.engine_runs import engine_greedy, loaded_model
 from tests.engine.hf_oracle import hf_greedy
 from tests.tiny_model import build_tiny_model
 
@@ -212,16 +211,6 @@ def greedy(path: str, **config) -> list[list[int]]:
 
 def hf_tokens(path: str) -> list[list[int]]:
     return [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
-
-
-def loaded_model(path: str, **quant):
-    from engine.models.registry import model_class
-
-    source = resolve_model(path, **quant)
-    with torch.device("cpu"):
-        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
-    load_weights(model, checkpoint_tensors(source))
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -94,17 +94,9 @@ def write_gguf(path, folder: str, qtype: str) -> None:
 
 def engine_resident_bytes(path: str, **quantization) -> int:
     """Bytes of every parameter of the engine's model after loading `path` (a GGUF file or a folder)."""
-    import torch
+    from tests.engine.engine_runs import loaded_model
 
-    from engine.loader import resolve_model
-    from engine.weights import checkpoint_tensors, load_weights
-    from engine.models.registry import model_class
-
-    source = resolve_model(path, tokenizer_path=None, **quantization)
-    with torch.device("cpu"):
-        model = model_class(source.hf_config.model_type)(source.hf_config, max_positions=256)
-    load_weights(model, checkpoint_tensors(source))
-    return sum(p.nbytes for p in model.parameters())
+    return sum(p.nbytes for p in loaded_model(path, **quantization).parameters())
 
 
 @pytest.mark.parametrize("qtype", [f.name for f in GGUF_FORMATS])
