@@ -58,6 +58,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _native_bf16_matmul() -> bool:
+    from kernels import cpu_ops
+
+    return cpu_ops.native_bf16_matmul()
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> torch.dtype:
     """kv_cache_dtype -> the cache's element dtype: "auto" is the model's, "fp8" is e4m3 (vLLM's
     meaning), where the backend can keep it (else ValueError naming the flag)."""
@@ -163,8 +169,10 @@ class ModelRunner(KVCacheSizing):
         with torch.device(self.device), _default_dtype(self.dtype):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
-        # A float32 model on the cpu backend keeps bf16 checkpoint matrices as stored (its kernels widen them).
-        keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and self.dtype == torch.float32
+        # On the cpu backend bf16 checkpoint matrices stay as stored, widened in its kernels: in a float32
+        # model, and in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 6-8x slower there).
+        keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and (
+            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not _native_bf16_matmul()))
         load_weights(self.model, checkpoint_tensors(source, keep_bf16))
         pack_weights(self.model, self.backend.pack_linear_weight,
                      lambda fmt, blocks: fmt.pack(blocks, self.backend.name))

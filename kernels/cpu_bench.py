@@ -7,7 +7,7 @@ Shapes are the default model's (SmolLM2-135M: 9 query / 3 KV heads of 64, hidden
 prefill = 2,048 tokens; the MoE rows are a tiny Mixtral-like layer (8 experts of hidden 576 and
 ffn 768, top-2) at decode sizes (1 to 256 tokens) and the prefill budget, and a Qwen-MoE-like one
 (64 fine-grained experts of ffn 256, top-8), the cpu op once per packed layout (pack_moe_weights'
-brgemm and matmul). Decode attention runs over as many layers' caches as the model has, and an MoE
+brgemm, matmul and blocks). Decode attention runs over as many layers' caches as the model has, and an MoE
 row over MOE_LAYERS layers' weights, so keys, values and expert weights come from memory as they do
 in a real step, not from a warm cache. Each time is the median of repeated runs, the
 two backends' runs interleaved; the table gives both and their ratio (reference / cpu).
@@ -89,15 +89,17 @@ def cases(dtype, gen):
 
 def moe_cases(name: str, experts: int, top_k: int, ffn: int, token_counts, dtype, gen) -> dict:
     """MOE_LAYERS MoE layers at each token count: the reference's expert loop against the fused cpu
-    op, once per layout pack_moe_weights can give here (bf16: brgemm where the CPU has AMX, and
-    matmul; other dtypes: the plain weights)."""
+    op, once per layout pack_moe_weights can give here (bf16: brgemm where the CPU has AMX, matmul
+    (None, i.e. the plain weights, where oneDNN cannot pack bf16) and blocks; other dtypes: the plain
+    weights)."""
     from kernels import cpu_ops
 
     layers = [((torch.randn(experts, 2 * ffn, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype),
                (torch.randn(experts, HIDDEN, ffn, generator=gen) / ffn ** 0.5).to(dtype)) for _ in range(MOE_LAYERS)]
     layouts = {"plain": [None] * MOE_LAYERS}
     if dtype == torch.bfloat16:
-        layouts = {"matmul": [cpu_ops.pack_moe_weights(w13, w2, "matmul") for w13, w2 in layers]}
+        layouts = {"matmul": [cpu_ops.pack_moe_weights(w13, w2, "matmul") for w13, w2 in layers],
+                   "blocks": [cpu_ops.pack_moe_weights(w13, w2, "blocks") for w13, w2 in layers]}
         if cpu_ops.load().moe_brgemm_available():
             layouts["brgemm"] = [cpu_ops.pack_moe_weights(w13, w2, "brgemm") for w13, w2 in layers]
     out = {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import cpu_quant, reference
 from kernels.cpu_build import load
 
 logger = logging.getLogger(__name__)
@@ -85,13 +85,20 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     return out
 
 
+def native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively here (AVX-512 BF16 / AMX). Without it (an AVX2-only
+    CPU) its bf16 GEMM measured 6-8x slower than float32 at 16-256 rows, so bf16 weights are better
+    widened to float32 inside the block kernels (kernels/cpu_quant.py, engine/weights.py KeepBF16)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight [out, in] in oneDNN's blocked layout, reordered once at load instead of on every
     call, or None where oneDNN cannot take it. Measured here at 64 rows against F.linear: bf16
     1.2-1.5x, float32 2-3x (F.linear's float32 path is MKL's sgemm)."""
     if not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if weight.dtype == torch.bfloat16 and not native_bf16_matmul():
         return None  # no native bf16 (an AVX2-only CPU): oneDNN refuses to pack, F.linear still runs
     try:  # torch's private op (inductor's CPU freezing packs weights with it): absent, use F.linear
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
@@ -149,26 +156,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 select_experts = reference.select_experts  # routing is a softmax and a top-k: torch's own kernels
 
 
+MOE_LAYOUTS = ("auto", "brgemm", "matmul", "blocks")
+
+
 def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, layout: str = "auto"):
     """bfloat16: the experts' weights packed once, one PackedExperts (the caller may then free w13
     and w2: fused_moe reads only the packed copy). layout "brgemm": VNNI tiles for oneDNN's brgemm
     microkernel (needs AMX and an even hidden size and ffn); "matmul": each expert's w13 [2F, H] and
-    w2 [H, F] in oneDNN's blocked layout; "auto": brgemm where it runs, else matmul. None for other
-    dtypes, whose plain stacked weights measure as fast or faster (kernels/cpu_ops.cpp, "mixture of
-    experts")."""
-    if layout not in ("auto", "brgemm", "matmul"):
-        raise ValueError(f"pack_moe_weights: layout must be auto, brgemm or matmul, not {layout!r}")
+    w2 [H, F] in oneDNN's blocked layout; "blocks": each expert's bf16 rows as stored, read as
+    cpu_quant's BF16 blocks (hidden size and ffn whole blocks of 32) and widened to float32 in its
+    kernels; "auto": brgemm where it runs, else matmul where bf16 is native, else blocks where the
+    shapes allow, else matmul. None for other dtypes, whose plain stacked weights measure as fast or
+    faster (kernels/cpu_ops.cpp, "mixture of experts")."""
+    if layout not in MOE_LAYOUTS:
+        raise ValueError(f"pack_moe_weights: layout must be one of {MOE_LAYOUTS}, not {layout!r}")
     if w13.dtype != torch.bfloat16:
         return None
     lib = load()
-    if layout != "matmul" and lib.moe_brgemm_available() and w13.shape[2] % 2 == 0 and w2.shape[2] % 2 == 0:
+    if layout in ("auto", "brgemm") and lib.moe_brgemm_available() and w13.shape[2] % 2 == 0 and w2.shape[2] % 2 == 0:
         return lib.pack_moe_brgemm(w13.detach(), w2.detach())
     if layout == "brgemm":
         raise ValueError("pack_moe_weights: the brgemm layout needs AMX and an even hidden size and ffn")
+    whole_blocks = w13.shape[2] % cpu_quant.FORMATS["BF16"].block_weights == 0 and \
+        w2.shape[2] % cpu_quant.FORMATS["BF16"].block_weights == 0
+    if layout == "blocks" and not whole_blocks:
+        raise ValueError("pack_moe_weights: the blocks layout needs a hidden size and ffn of whole blocks of 32")
+    if layout == "blocks" or (layout == "auto" and whole_blocks and not native_bf16_matmul()):
+        return _pack_moe_blocks(w13, w2)
     packs = [pack_linear_weight(w) for stacked in (w13, w2) for w in stacked]
     if not packs or any(p is None for p in packs):
         return None
     return lib.PackedExperts(packs[:len(w13)], packs[len(w13):], w13.shape[2], w2.shape[2])
+
+
+def _pack_moe_blocks(w13: torch.Tensor, w2: torch.Tensor):
+    """Each expert's bf16 rows viewed as BF16 blocks (the same bytes: the views keep the storage)."""
+    quant = cpu_quant.load_quant()
+    return load().pack_moe_blocks([w.detach().contiguous().view(torch.uint8) for w in w13],
+                                  [w.detach().contiguous().view(torch.uint8) for w in w2], w13.shape[2], w2.shape[2],
+                                  cpu_quant.FORMATS["BF16"].id, cpu_quant.DEQUANT_GEMM_ROWS,
+                                  quant.linear_f32_address(), quant.linear_f32_tiled_address())
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,

@@ -1257,6 +1257,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // For kernels/cpu_ops.cpp's DecoderLayers, which calls linear_f32 without a trip through Python.
   m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },
         "the address of linear_f32 (the same process and libtorch)");
+  m.def("linear_f32_tiled_address", [] { return reinterpret_cast<int64_t>(&linear_f32_tiled); },
+        "the address of linear_f32_tiled (for kernels/cpu_ops.cpp's fused_moe on block-format experts)");
   m.def("linear_q8_address", [] { return reinterpret_cast<int64_t>(&linear_q8); },
         "the address of linear_q8 (the same process and libtorch)");
   m.def("linear_q16", &linear_q16, "x @ dequant(w)^T with x quantized to int16 per 32-block (AVX2)");

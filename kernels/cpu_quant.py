@@ -19,7 +19,9 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            sgemm). Up to TILED_GEMM_ROWS rows, or at any M for a weight too big to
                            reuse from cache (an LM head); otherwise (and for bf16 without brgemm)
                            the whole weight dequantized to the activations' dtype, then F.linear
-                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows.
+                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows. bf16
+                           rows where bf16 brgemm does not run (AVX2) are widened and take the
+                           float32 kernels: oneDNN's bf16 GEMM is 6-8x slower than float32 there.
 Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
 file's 32-weight formats), the register kernel's rows take integer dot products instead:
   "int16"  linear_q16: each 32-block of a row scaled to int16 (amax / 32767), vpmaddwd against the
@@ -100,6 +102,13 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], blocks.shape[0])
+    if not small and x.dtype == torch.bfloat16 and not has_brgemm_bf16():
+        # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 6-8x slower than float32 at 16-256
+        # rows here, so the rows are widened once and take the float32 kernels.
+        y = linear(rows.float(), blocks, fmt)
+        if bias is not None:
+            y += bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
     if not small:
         if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
             tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled

@@ -77,16 +77,63 @@ def test_bf16_gguf_generates_transformers_tokens(tmp_path, bf16_folder):
 
 def test_engine_knob_reaches_the_loader(bf16_folder):
     """cpu_bf16_weights=False converts the matrices to float32 at load; a bfloat16 model (--dtype)
-    holds bf16 weights of its own and keeps no blocks either."""
+    keeps them as blocks where the CPU has no native bf16 matmul (an AVX2 CPU), else holds bf16
+    weights of its own for oneDNN."""
     from engine import LLM
 
-    for config, kept in (({}, True), ({"cpu_bf16_weights": False}, False), ({"dtype": "bfloat16"}, False)):
+    from kernels.cpu_ops import native_bf16_matmul
+
+    without_native = not native_bf16_matmul()
+    for config, kept in (({}, True), ({"cpu_bf16_weights": False}, False), ({"dtype": "bfloat16"}, without_native),
+                         ({"dtype": "bfloat16", "cpu_bf16_weights": False}, False)):
         llm = LLM(bf16_folder, device="cpu", num_kv_blocks=16, max_model_len=128, **config)
         try:
             layer = llm.engine.runner.model.model.layers["0"]
             assert (layer.self_attn.qkv_proj.quant_format is not None) == kept, config
         finally:
             llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bf16_mixtral(tmp_path_factory):
+    """A tiny Mixtral saved in bfloat16 whose experts are whole blocks of 32 (hidden 64, ffn 64)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fp32 = build_tiny_model(tmp_path_factory.mktemp("mixtral32"), model_type="mixtral", num_attention_heads=4,
+                            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
+    folder = tmp_path_factory.mktemp("mixtral16")
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_bfloat16_model_without_native_bf16_keeps_blocks(family, bf16_folder, bf16_mixtral):
+    """A bfloat16 model on a CPU without native bf16 matmuls (AVX2) keeps the checkpoint's matrices,
+    and its experts (the fused MoE's blocks layout), as stored and widens them in the block kernels,
+    prompt rows past 16 included (the float32 tiled kernel): its first tokens and logprobs stay
+    those of transformers in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from engine.layers.moe import FusedMoE
+    from kernels.cpu_ops import native_bf16_matmul
+    from tests.engine.hf_oracle import assert_first_tokens_close
+
+    if native_bf16_matmul():
+        pytest.skip("this CPU multiplies bf16 natively: a bfloat16 model keeps oneDNN's bf16 weights")
+    path = bf16_folder if family == "llama" else bf16_mixtral
+    llm = LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    try:
+        model = llm.engine.runner.model
+        assert model.model.layers["0"].self_attn.qkv_proj.quant_format.name == "BF16"
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert all(m.packed.layout == "blocks" for m in experts) and len(experts) == (family == "mixtral") * 2
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval() \
+            if family == "mixtral" else AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        assert_first_tokens_close(llm, hf, PROMPTS + [list(range(100, 140)), list(range(7, 70, 2))])
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.slow

@@ -160,9 +160,10 @@ def test_native_k_quant_gguf_generates_the_dequantized_tokens(tmp_path, tiny, ar
     # float32: the kernels differ from the float matmul in summation order only.
     assert greedy(path, folder, dtype="float32") == want
     assert greedy(path, folder, dtype="float32", attention_backend="torch") == want
-    # bfloat16: the float path rounds the weights to bfloat16, the kernels do not (see above).
-    want_bf16 = greedy(path, folder, dtype="bfloat16", gguf_weights="dequantize")
-    assert forced_agreement(path, folder, want_bf16, dtype="bfloat16") >= 0.95
+    # bfloat16 activations flip a few of float32's choices on a random tiny model's nearly flat
+    # logits (92-98% agree, and the dequantized path, which also rounds the weights to bfloat16,
+    # agrees less: 92-96%); a wrong kernel agrees on almost none. Each position on float32's prefix.
+    assert forced_agreement(path, folder, want, dtype="bfloat16") >= 0.9
 
 
 def test_q4_k_m_style_mix(tmp_path, tiny, caplog):

@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.engine.conftest import MOE_FAMILIES
-from tests.engine.hf_oracle import hf_greedy
+from tests.engine.hf_oracle import assert_first_tokens_close, hf_greedy
 
 
 def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
@@ -66,21 +66,8 @@ def test_bfloat16_first_tokens_and_logprobs_close_to_transformers(family, tiny_m
     probability): one flipped choice anywhere in a prompt moves the last logprob by up to ~1. So:
     the first tokens agree, the typical logprob gap is bfloat16 noise, and none is far off."""
     path = tiny_models(family)
-    prompts = _prompts(3, 8, 2, 40)
     llm = LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, ignore_eos=True),
-                        use_tqdm=False)
-    model = hf_bf16(path)
-    agree, gaps = 0, []
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
-        token = out.outputs[0].token_ids[0]
-        agree += token == int(ref.argmax())
-        assert float(ref.max() - ref[token]) < 0.1  # the engine's choice is (near) transformers' best
-        gaps.append(abs(out.outputs[0].logprobs[0][token] - float(ref[token])))
-    assert agree >= len(prompts) - 1
-    assert sorted(gaps)[len(gaps) // 2] < 0.05 and max(gaps) < 1.0, gaps
+    assert_first_tokens_close(llm, hf_bf16(path), _prompts(3, 8, 2, 40))
 
 
 def _rewrite(src: str, dst, transform) -> str:

@@ -137,8 +137,9 @@ def test_local_expert_slice(backend, dtype):
 @pytest.mark.parametrize("expert_offset", [0, 3])
 def test_packed_weights_without_the_plain_copy(backend, dtype, expert_offset):
     """As the engine's MoE layer does: pack, then free the plain weights; the answer stays the
-    reference's. Where packing does not pay (every dtype but the cpu backend's bf16) or oneDNN cannot
-    pack (bf16 on a CPU without native bf16, e.g. AVX2 only) pack says None and the plain weights stay."""
+    reference's. Where packing does not pay (every dtype but the cpu backend's bf16) or can not (bf16
+    on a CPU without native bf16, e.g. AVX2 only, whose sizes are not whole blocks of 32 as here) pack
+    says None and the plain weights stay."""
     skip_unsupported(backend, dtype)
     dev = device_for(backend)
     x, w13, w2, _ = make_layer(33, 72, 56, dtype, seed=3, num_experts=3, device=dev)
@@ -308,3 +309,62 @@ def test_cpu_pack_moe_weights_layouts():
     close(cpu_ops.fused_moe(x, weights, ids, w13, w2, 0, packed), reference.fused_moe(x, weights, ids, w13, w2),
           torch.bfloat16)
     assert cpu_ops.pack_moe_weights(w13.float(), w2.float(), "brgemm") is None  # float32: plain weights
+
+
+def cpu_ops_module():
+    if cpu_build.available() is not None:
+        pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})")
+    from kernels import cpu_ops
+
+    return cpu_ops
+
+
+# (tokens, hidden, ffn, experts held, expert_offset, the experts every token is pushed to): sizes in
+# whole blocks of 32; an expert's rows take the register kernel up to 16, the tiled one above.
+BLOCKS_CASES = {
+    "one token": (1, 64, 32, 8, 0, None),
+    "16 rows on two experts": (16, 96, 64, 8, 0, (1, 2)),
+    "17 rows on two experts": (17, 96, 64, 8, 0, (1, 2)),
+    "70 rows on two experts": (70, 64, 96, 8, 0, (5, 6)),
+    "experts on another rank": (33, 64, 64, 3, 3, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCKS_CASES))
+def test_cpu_blocks_layout(case):
+    """The blocks layout (bf16 experts read as stored, widened to float32 in cpu_quant's kernels; the
+    one an AVX2 CPU picks) against the reference, the float64 definition and the plain weights, with
+    the plain copies freed as the engine frees them, on either side of the register kernel's rows."""
+    cpu_ops = cpu_ops_module()
+    num_tokens, hidden, ffn, held, offset, pushed = BLOCKS_CASES[case]
+    x, w13, w2, _ = make_layer(num_tokens, hidden, ffn, torch.bfloat16, seed=num_tokens + ffn, num_experts=held)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(9))
+    if pushed is not None:
+        logits[:, list(pushed)] += 20
+    weights, ids = reference.select_experts(logits, TOP_K, True)
+    packed = cpu_ops.pack_moe_weights(w13, w2, "blocks")
+    assert packed.layout == "blocks" and packed.num_experts == held and packed.nbytes == w13.nbytes + w2.nbytes
+    want = reference.fused_moe(x, weights, ids, w13, w2, offset)
+    want64 = moe64(x, weights, ids, w13, w2, offset)
+    plain = cpu_ops.fused_moe(x, weights, ids, w13, w2, offset, None)
+    w13.data, w2.data = w13.data.new_empty(0), w2.data.new_empty(0)  # the views keep the bytes
+    got = cpu_ops.fused_moe(x, weights, ids, w13, w2, offset, packed)
+    close(got, want, torch.bfloat16)
+    close(got, want64, torch.bfloat16)
+    close(got, plain, torch.bfloat16)
+    routed_here = ((ids >= offset) & (ids < offset + held)).any(dim=1)
+    assert torch.equal((got != 0).any(dim=1), routed_here), "tokens routed to no local expert must be zero rows"
+
+
+def test_cpu_auto_layout_without_native_bf16():
+    """auto: on a CPU without native bf16 matmuls, bf16 experts of whole blocks read as stored
+    (blocks); sizes that are not whole blocks keep oneDNN's matmul, which then packs nothing (None)."""
+    cpu_ops = cpu_ops_module()
+    if cpu_ops.native_bf16_matmul():
+        pytest.skip("this CPU multiplies bf16 natively: auto picks brgemm or matmul (tested above)")
+    _, w13, w2, _ = make_layer(4, 64, 32, torch.bfloat16, seed=1)
+    assert cpu_ops.pack_moe_weights(w13, w2).layout == "blocks"
+    _, w13, w2, _ = make_layer(4, 72, 56, torch.bfloat16, seed=1)
+    assert cpu_ops.pack_moe_weights(w13, w2) is None
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        cpu_ops.pack_moe_weights(w13, w2, "blocks")
