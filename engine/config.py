@@ -133,10 +133,11 @@ class EngineConfig:
                                       "integer dot products, relative error ~2e-5; AVX2 builds), int8 "
                                       "(llama.cpp's scheme: faster on Q4, perplexity +0.5-1 percent), or float (the "
                                       "dequantized weights' numbers to summation order)")
-    cpu_bf16_weights: bool = _knob(True, "cpu backend, float32 model: a checkpoint's bfloat16 matrices (safetensors "
-                                         "or a BF16 .gguf) stay bfloat16 in memory, half of float32's bytes, and the "
-                                         "C++ matmul kernels widen them in registers (the same values; sums in "
-                                         "another order); off: converted to float32 at load")
+    cpu_bf16_weights: bool = _knob(True, "cpu backend, float32 model (or bfloat16 on a CPU without native bf16 "
+                                         "matmuls, AVX2): a checkpoint's bfloat16 matrices (safetensors or a BF16 "
+                                         ".gguf) stay bfloat16 in memory, half of float32's bytes, and the C++ matmul "
+                                         "kernels widen them in registers (the same values; sums in another order); "
+                                         "off: converted to float32 (or held for oneDNN's bf16 matmul) at load")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
                                           "use, its affinity capped by its cgroup CPU quota, fewer while other "
                                           "processes keep them busy)")

@@ -10,9 +10,10 @@ default): linear layers, and the token embedding and LM head (a tied head reads 
 blocks); other quantized tensors (a layer with mixed types, MoE experts) are dequantized to float,
 with a log line saying which. `gguf_weights="dequantize"` dequantizes every tensor.
 
-With `keep_bf16` (the runner's choice: cpu backend, float32 model, EngineConfig.cpu_bf16_weights) a
-float checkpoint's bfloat16 matrices stay bfloat16 as stored (engine.quant.BF16: linear layers,
-embedding and LM head), half float32's bytes, widened to float32 inside the C++ matmul kernels.
+With `keep_bf16` (the runner's choice: cpu backend, a float32 model or a bfloat16 one on a CPU without
+native bf16 matmuls, EngineConfig.cpu_bf16_weights) a float checkpoint's bfloat16 matrices stay
+bfloat16 as stored (engine.quant.BF16: linear layers, embedding and LM head), half float32's bytes,
+widened to float32 inside the C++ matmul kernels.
 
 A float checkpoint's linear weights (a safetensors folder's, or a float GGUF's) are quantized at
 load with `quantization` "int8" / "int4" / "fp8" (engine/quant/quantize.py); those of a

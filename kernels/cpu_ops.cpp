@@ -1209,9 +1209,11 @@ constexpr int64_t kPlainWeight = -1, kPackedWeight = -2;
 // (linear_q16), as engine/models/cpu_fused_layers.py's ACTIVATION_CODES says.
 constexpr int64_t kInt8Activations = 256, kInt16Activations = 512;
 
-// cpu_quant.cpp's block-format matmuls: float activations, int8 ones and int16 ones.
+// cpu_quant.cpp's block-format matmuls: float activations, int8 ones and int16 ones, and the most rows
+// each integer kind takes (kernels/cpu_quant.py ACTIVATION_ROWS; more rows take float activations).
 struct Linears {
   LinearFn f32, q8, q16;
+  int64_t q8_rows, q16_rows;
 };
 
 // x @ w^T (+ bias) exactly as the module's matmul computes it: GGUF blocks through linear_f32 (or
@@ -1221,8 +1223,11 @@ at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w
                         const at::Tensor& bias) {
   const bool has_bias = bias.defined() && bias.numel();
   if (fmt >= 0) {
-    auto y = fmt >= kInt16Activations  ? linear.q16(x, w, fmt - kInt16Activations)
-             : fmt >= kInt8Activations ? linear.q8(x, w, fmt - kInt8Activations)
+    const int64_t rows = x.size(0);
+    auto y = fmt >= kInt16Activations ? (rows <= linear.q16_rows ? linear.q16(x, w, fmt - kInt16Activations)
+                                                                 : linear.f32(x, w, fmt - kInt16Activations))
+             : fmt >= kInt8Activations ? (rows <= linear.q8_rows ? linear.q8(x, w, fmt - kInt8Activations)
+                                                                 : linear.f32(x, w, fmt - kInt8Activations))
                                        : linear.f32(x, w, fmt);
     if (has_bias) y += bias;
     return y;
@@ -1251,12 +1256,13 @@ struct DecoderLayers {
 
   DecoderLayers(std::vector<torch::Tensor> weights_, std::vector<int64_t> formats_, std::vector<torch::Tensor> caches_,
                 std::vector<double> kv_scales_, int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
-                int64_t linear_address, int64_t linear_q8_address, int64_t linear_q16_address)
+                int64_t linear_address, int64_t linear_q8_address, int64_t linear_q16_address, int64_t q8_rows,
+                int64_t q16_rows)
       : weights(std::move(weights_)), formats(std::move(formats_)), caches(std::move(caches_)),
         kv_scales(std::move(kv_scales_)), num_heads(num_heads_), num_kv_heads(num_kv_heads_), eps(eps_),
         scale(scale_),
         linear{reinterpret_cast<LinearFn>(linear_address), reinterpret_cast<LinearFn>(linear_q8_address),
-               reinterpret_cast<LinearFn>(linear_q16_address)} {
+               reinterpret_cast<LinearFn>(linear_q16_address), q8_rows, q16_rows} {
     const size_t layers = weights.size() / kLayerWeights;
     TORCH_CHECK(weights.size() == kLayerWeights * layers && formats.size() == 4 * layers &&
                 caches.size() == 2 * layers && kv_scales.size() == 2 * layers,
@@ -1317,7 +1323,8 @@ std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::opt
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderLayers>(m, "DecoderLayers")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
-                          std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
+                          std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t,
+                          int64_t>())
       .def("forward", &DecoderLayers::forward, "a decode step through every layer, the modules' ops in their order");
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");

@@ -23,7 +23,8 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            rows where bf16 brgemm does not run (AVX2) are widened and take the
                            float32 kernels: oneDNN's bf16 GEMM is 6-8x slower than float32 there.
 Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
-file's 32-weight formats), the register kernel's rows take integer dot products instead:
+file's 32-weight formats), up to ACTIVATION_ROWS of the register kernel's rows take integer dot
+products instead:
   "int16"  linear_q16: each 32-block of a row scaled to int16 (amax / 32767), vpmaddwd against the
            weights widened to int16 (AVX2 builds): on the AVX2 machine at one row 1.0-1.13x
            linear_f32 on Q4_1 weights, 1.06-1.38x on Q8_0, ~1.06x over a whole decode step, and a
@@ -61,6 +62,11 @@ ACTIVATION_KERNELS = {"int8": "linear_q8", "int16": "linear_q16"}
 # The formats where each kind of quantized activations pays at the register kernel's rows (measured:
 # int8 gains nothing on Q8_0, whose weights are cheap to widen).
 ACTIVATION_FORMATS = {"int8": ("Q4_0", "Q4_1"), "int16": Q8_FORMATS}
+# The most rows each kind takes; more take float activations. The float kernel runs up to 8 rows per
+# pass over a weight row, the integer ones 4, so past a few rows the float one wins (AVX2 machine, 30
+# layers of the default model's Q4_1 shapes, median of 9: int16 / float 1.05x at 2 rows, 1.01x at 3,
+# 0.90x at 4, 0.85x at 8; int8 / float 1.25x at 1, 1.04x at 4, 0.99x at 8).
+ACTIVATION_ROWS = {"int8": 8, "int16": 3}
 # Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
 DEQUANT_GEMM_ROWS = 16
 # Up to this many rows the tiled kernel beats dequantizing the whole weight first, for every layer
@@ -97,7 +103,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
     small = register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16)
-    if small and activations is not None and x.dtype in (torch.float32, torch.bfloat16):
+    if small and activations is not None and rows.shape[0] <= ACTIVATION_ROWS[activations] and \
+            x.dtype in (torch.float32, torch.bfloat16):
         y = getattr(load_quant(), ACTIVATION_KERNELS[activations])(rows.contiguous(), blocks, kernel_id)
         if bias is not None:
             y += bias

@@ -95,7 +95,7 @@ class CpuFusedLayers:
             caches += cpu_ops._physical(attn.attn.k_cache, attn.attn.v_cache)
             scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
         self._stack = cpu_build.load().DecoderLayers(weights, formats, caches, scales, self.num_heads,
-                                                     self.num_kv_heads, self.eps, self.scale, *_linear_addresses())
+                                                     self.num_kv_heads, self.eps, self.scale, *_linear_kernels())
         self._bound_to = self.layers[0].self_attn.attn.k_cache
 
     def _takes(self, hidden: torch.Tensor, meta) -> bool:
@@ -155,9 +155,11 @@ def _format(linear) -> int:
 
 
 @functools.cache
-def _linear_addresses() -> tuple[int, int, int]:
-    """linear_f32's, linear_q8's and linear_q16's, which DecoderLayers calls as the modules do."""
-    from kernels import cpu_build
+def _linear_kernels() -> tuple[int, int, int, int, int]:
+    """linear_f32's, linear_q8's and linear_q16's addresses and the most rows the integer ones take,
+    which DecoderLayers calls as the modules do."""
+    from kernels import cpu_build, cpu_quant
 
     quant = cpu_build.load_quant()
-    return quant.linear_f32_address(), quant.linear_q8_address(), quant.linear_q16_address()
+    return (quant.linear_f32_address(), quant.linear_q8_address(), quant.linear_q16_address(),
+            cpu_quant.ACTIVATION_ROWS["int8"], cpu_quant.ACTIVATION_ROWS["int16"])

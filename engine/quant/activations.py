@@ -1,6 +1,6 @@
 """Integer activations for block-format matmuls on the cpu backend (EngineConfig.cpu_gguf_activations).
 
-At the register kernel's rows (a decode step, up to 16 tokens) kernels/cpu_quant.py can quantize a
+At a decode step's first few rows (kernels/cpu_quant.py ACTIVATION_ROWS) that module can quantize a
 matmul's activations per 32-block and use integer dot products instead of widening every weight
 block to float: int16 (near-exact, the default for a .gguf file) or int8 (llama.cpp's scheme,
 coarser). Each matmul module that holds blocks carries the kind it takes (`activations`, None for
@@ -38,7 +38,7 @@ def mark(model: nn.Module, kind: str) -> None:
     left = sorted(formats - set(taken))
     if taken:
         logger.info("%s activations for the %s matmuls of steps up to %d tokens (cpu_gguf_activations)%s",
-                    kind, "/".join(taken), cpu_quant.DEQUANT_GEMM_ROWS,
+                    kind, "/".join(taken), cpu_quant.ACTIVATION_ROWS[kind],
                     f"; float for {'/'.join(left)}" if left else "")
     elif left:
         logger.info("float activations for the %s matmuls: no %s kernel for them on this build "

@@ -216,11 +216,18 @@ def test_integer_activation_kernels_within_their_rounding(fmt, kind, levels):
     assert ((got.double() - exact).abs() <= bound).all()
     for m in (1, 3):  # fewer rows: the same numbers row by row
         torch.testing.assert_close(kernel(x[:m], blocks, fmt), got[:m], rtol=0, atol=0)
-    # and what the engine calls at the register kernel's rows (bfloat16 activations too)
-    torch.testing.assert_close(cpu_quant.linear(x, blocks, fmt, activations=kind), got, rtol=0, atol=0)
-    got16 = cpu_quant.linear(x.bfloat16(), blocks, fmt, activations=kind)
+    # and what the engine calls: this kernel up to ACTIVATION_ROWS rows (bfloat16 activations too),
+    # float activations above (where the float kernel is faster)
+    rows = cpu_quant.ACTIVATION_ROWS[kind]
+    assert 1 <= rows < cpu_quant.DEQUANT_GEMM_ROWS
+    xs = torch.randn(rows + 1, 160, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(cpu_quant.linear(xs[:rows], blocks, fmt, activations=kind),
+                               kernel(xs[:rows], blocks, fmt), rtol=0, atol=0)
+    torch.testing.assert_close(cpu_quant.linear(xs, blocks, fmt, activations=kind),
+                               cpu_quant.load_quant().linear_f32(xs, blocks, cpu_quant.FORMATS[fmt].id), rtol=0, atol=0)
+    got16 = cpu_quant.linear(xs[:rows].bfloat16(), blocks, fmt, activations=kind)
     assert got16.dtype == torch.bfloat16
-    torch.testing.assert_close(got16, kernel(x.bfloat16().float(), blocks, fmt).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(got16, kernel(xs[:rows].bfloat16().float(), blocks, fmt).bfloat16(), rtol=0, atol=0)
 
 
 def test_cpu_linear_rejects_a_misshapen_weight():
