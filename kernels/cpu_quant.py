@@ -64,8 +64,9 @@ ACTIVATION_KERNELS = {"int8": "linear_q8", "int16": "linear_q16"}
 ACTIVATION_FORMATS = {"int8": ("Q4_0", "Q4_1"), "int16": Q8_FORMATS}
 # The most rows each kind takes; more take float activations. The float kernel runs up to 8 rows per
 # pass over a weight row, the integer ones 4, so past a few rows the float one wins (AVX2 machine,
-# benchmarks/quant/activation_rows.py, two runs; time of float / integer: int16 1.19 / 1.05 at 1
-# row, 1.03 / 1.02 at 3, 0.94 / 0.90 at 4, 0.87 / 0.85 at 8; int8 1.37 at 1, 1.14 at 6, 0.89 at 8).
+# benchmarks/quant/activation_rows.py, two runs; time of float / integer: int16 1.19 at 1 row,
+# 1.05 / 1.03 at 2, 1.01 / 1.02 at 3, 0.90 / 0.94 at 4, 0.85 / 0.87 at 8; int8 1.25 / 1.37 at 1,
+# 1.04 / 1.05 at 4, 1.14 at 6, 0.99 / 0.89 at 8).
 ACTIVATION_ROWS = {"int8": 6, "int16": 3}
 # Above this many activation rows, dequantize-then-GEMM beats the register kernel (measured).
 DEQUANT_GEMM_ROWS = 16
