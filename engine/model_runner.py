@@ -170,7 +170,7 @@ class ModelRunner(KVCacheSizing):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         # On the cpu backend bf16 checkpoint matrices stay as stored, widened in its kernels: in a float32
-        # model, and in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 6-8x slower there).
+        # model, and in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower there).
         keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and (
             self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not _native_bf16_matmul()))
         load_weights(self.model, checkpoint_tensors(source, keep_bf16))

@@ -783,7 +783,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // - matmul (bf16 without AMX): oneDNN matmul primitives on each expert's weights prepacked at load,
 //   one expert after another, each call parallel inside; at 64 tokens 1.3x faster than at::linear
 //   on the plain weights (0.96 vs 1.25 ms).
-// - blocks (bf16 on a CPU without native bf16 matmuls: AVX2, where oneDNN's bf16 GEMM runs 6-8x
+// - blocks (bf16 on a CPU without native bf16 matmuls: AVX2, where oneDNN's bf16 GEMM runs 3-8x
 //   slower than float32): each expert's weights as cpu_quant.cpp block-format rows (a bf16 matrix as
 //   stored is already BF16 blocks: no copy), one expert after another; a segment's rows widened to
 //   float32 once and multiplied by that file's register kernel (linear_f32) up to `register_rows`

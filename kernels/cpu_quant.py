@@ -21,7 +21,7 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            the whole weight dequantized to the activations' dtype, then F.linear
                            (oneDNN/MKL GEMM): the dequantization is paid once for M rows. bf16
                            rows where bf16 brgemm does not run (AVX2) are widened and take the
-                           float32 kernels: oneDNN's bf16 GEMM is 6-8x slower than float32 there.
+                           float32 kernels: oneDNN's bf16 GEMM is 3-8x slower than float32 there.
 Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
 file's 32-weight formats), up to ACTIVATION_ROWS of the register kernel's rows take integer dot
 products instead:
@@ -111,7 +111,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
             y += bias
         return y.reshape(*x.shape[:-1], blocks.shape[0])
     if not small and x.dtype == torch.bfloat16 and not has_brgemm_bf16():
-        # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 6-8x slower than float32 at 16-256
+        # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32 at 16-256
         # rows here, so the rows are widened once and take the float32 kernels.
         y = linear(rows.float(), blocks, fmt)
         if bias is not None:
