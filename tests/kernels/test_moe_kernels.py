@@ -226,15 +226,32 @@ def test_triton_expert_blocks_layout():
     assert sorted(seen) == held and seen == sorted(held, key=lambda s: (int(flat[s]), s))
 
 
-def brgemm_ops():
-    """The cpu backend's module where its brgemm expert layout runs here, or a skip saying why not."""
+def cpu_ops_module():
+    """kernels.cpu_ops where the CPU kernels built, or a skip saying why not."""
     if cpu_build.available() is not None:
         pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})")
-    if not cpu_build.load().moe_brgemm_available():
-        pytest.skip("BRGEMM MoE LAYOUT NOT TESTED: this CPU has no AMX (pack_moe_weights falls back to matmul)")
     from kernels import cpu_ops
 
     return cpu_ops
+
+
+def brgemm_ops():
+    """The cpu backend's module where its brgemm expert layout runs here, or a skip saying why not."""
+    cpu_ops = cpu_ops_module()
+    if not cpu_ops.load().moe_brgemm_available():
+        pytest.skip("BRGEMM MoE LAYOUT NOT TESTED: this CPU has no AMX (pack_moe_weights falls back to matmul)")
+    return cpu_ops
+
+
+def routed_layer(num_tokens, hidden, ffn, held, pushed):
+    """A bf16 layer of `held` experts and top-2 routing over NUM_EXPERTS (every token pushed onto the
+    experts in `pushed`, when given): x, w13, w2, weights, ids."""
+    x, w13, w2, _ = make_layer(num_tokens, hidden, ffn, torch.bfloat16, seed=num_tokens + ffn, num_experts=held)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(9))
+    if pushed is not None:
+        logits[:, list(pushed)] += 20
+    weights, ids = reference.select_experts(logits, TOP_K, True)
+    return x, w13, w2, weights, ids
 
 
 # (tokens, hidden, ffn, experts held, expert_offset, the experts every token is pushed to). The
@@ -257,11 +274,7 @@ def test_cpu_brgemm_layout(case):
     of its tiles, experts held by another rank."""
     cpu_ops = brgemm_ops()
     num_tokens, hidden, ffn, held, offset, pushed = BRGEMM_CASES[case]
-    x, w13, w2, _ = make_layer(num_tokens, hidden, ffn, torch.bfloat16, seed=num_tokens + ffn, num_experts=held)
-    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(9))
-    if pushed is not None:
-        logits[:, list(pushed)] += 20
-    weights, ids = reference.select_experts(logits, TOP_K, True)
+    x, w13, w2, weights, ids = routed_layer(num_tokens, hidden, ffn, held, pushed)
     local = ids - offset
     counts = torch.bincount(local[(local >= 0) & (local < held)], minlength=held)
     if pushed is not None:
@@ -311,14 +324,6 @@ def test_cpu_pack_moe_weights_layouts():
     assert cpu_ops.pack_moe_weights(w13.float(), w2.float(), "brgemm") is None  # float32: plain weights
 
 
-def cpu_ops_module():
-    if cpu_build.available() is not None:
-        pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})")
-    from kernels import cpu_ops
-
-    return cpu_ops
-
-
 # (tokens, hidden, ffn, experts held, expert_offset, the experts every token is pushed to): sizes in
 # whole blocks of 32; an expert's rows take the register kernel up to 16, the tiled one above.
 BLOCKS_CASES = {
@@ -337,11 +342,7 @@ def test_cpu_blocks_layout(case):
     the plain copies freed as the engine frees them, on either side of the register kernel's rows."""
     cpu_ops = cpu_ops_module()
     num_tokens, hidden, ffn, held, offset, pushed = BLOCKS_CASES[case]
-    x, w13, w2, _ = make_layer(num_tokens, hidden, ffn, torch.bfloat16, seed=num_tokens + ffn, num_experts=held)
-    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=torch.Generator().manual_seed(9))
-    if pushed is not None:
-        logits[:, list(pushed)] += 20
-    weights, ids = reference.select_experts(logits, TOP_K, True)
+    x, w13, w2, weights, ids = routed_layer(num_tokens, hidden, ffn, held, pushed)
     packed = cpu_ops.pack_moe_weights(w13, w2, "blocks")
     assert packed.layout == "blocks" and packed.num_experts == held and packed.nbytes == w13.nbytes + w2.nbytes
     want = reference.fused_moe(x, weights, ids, w13, w2, offset)
