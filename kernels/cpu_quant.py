@@ -17,11 +17,11 @@ C++ file gives each format's block layout). Which kernel runs, by the number of 
                            3-9x for its LM head, even at 128 rows; an AVX2 build multiplies each
                            tile with its own 6 x 16 register micro-kernel instead, 1.1-1.45x
                            sgemm). Up to TILED_GEMM_ROWS rows, or at any M for a weight too big to
-                           reuse from cache (an LM head); otherwise (and for bf16 without brgemm)
-                           the whole weight dequantized to the activations' dtype, then F.linear
-                           (oneDNN/MKL GEMM): the dequantization is paid once for M rows. bf16
-                           rows where bf16 brgemm does not run (AVX2) are widened and take the
-                           float32 kernels: oneDNN's bf16 GEMM is 3-8x slower than float32 there.
+                           reuse from cache (an LM head); otherwise the whole weight dequantized
+                           to the activations' dtype, then F.linear (oneDNN/MKL GEMM): the
+                           dequantization is paid once for M rows. bf16 rows where bf16 brgemm does
+                           not run (AVX2) are widened and take the float32 kernels: oneDNN's bf16
+                           GEMM is 3-8x slower than float32 there.
 Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activations, for a GGUF
 file's 32-weight formats), up to ACTIVATION_ROWS of the register kernel's rows take integer dot
 products instead:
@@ -110,14 +110,14 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], blocks.shape[0])
-    if not small and x.dtype == torch.bfloat16 and not has_brgemm_bf16():
-        # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32 at 16-256
-        # rows here, so the rows are widened once and take the float32 kernels.
-        y = linear(rows.float(), blocks, fmt)
-        if bias is not None:
-            y += bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
     if not small:
+        if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
+            # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32 at 16-256
+            # rows here, so the rows are widened once and take the float32 kernels.
+            y = linear(rows.float(), blocks, fmt)
+            if bias is not None:
+                y += bias
+            return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
         if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
             tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled
             y = tiled(rows.contiguous(), blocks, kernel_id)
@@ -137,9 +137,10 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
 
 
 def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:
+    """Float32 rows, or bf16 ones where linear_bf16_tiled runs (linear widens them elsewhere)."""
     if rows > TILED_GEMM_ROWS and weights < TILED_GEMM_WEIGHTS:
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_brgemm_bf16())
+    return dtype in (torch.float32, torch.bfloat16)
 
 
 def register_rows(rows: int, weights: int, bf16: bool) -> bool:

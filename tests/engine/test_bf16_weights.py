@@ -21,18 +21,23 @@ PROMPTS = [[5, 9, 33, 100, 7], list(range(3, 45)), [77], [200, 201, 202, 203] * 
 MAX_TOKENS = 16
 
 
+def saved_in_bf16(tmp_path_factory, name: str, **overrides) -> str:
+    """A tiny random model (build_tiny_model's `overrides`) saved again in bfloat16, with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fp32 = build_tiny_model(tmp_path_factory.mktemp(f"{name}32"), **overrides)
+    folder = tmp_path_factory.mktemp(f"{name}16")
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def bf16_folder(tmp_path_factory):
     """A tiny Llama saved in bfloat16: tied embeddings (the LM head reads the embedding's bf16 blocks),
     intermediate 80, so down_proj's inputs are not whole blocks of 32 and it stays float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    fp32 = build_tiny_model(tmp_path_factory.mktemp("fp32"), model_type="llama", tie_word_embeddings=True,
-                            intermediate_size=80)
-    folder = tmp_path_factory.mktemp("bf16")
-    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).to(torch.bfloat16).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(fp32).save_pretrained(folder)
-    return str(folder)
+    return saved_in_bf16(tmp_path_factory, "llama", model_type="llama", tie_word_embeddings=True,
+                         intermediate_size=80)
 
 
 def test_bf16_matrices_are_held_as_stored(bf16_folder):
@@ -97,14 +102,8 @@ def test_engine_knob_reaches_the_loader(bf16_folder):
 @pytest.fixture(scope="module")
 def bf16_mixtral(tmp_path_factory):
     """A tiny Mixtral saved in bfloat16 whose experts are whole blocks of 32 (hidden 64, ffn 64)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    fp32 = build_tiny_model(tmp_path_factory.mktemp("mixtral32"), model_type="mixtral", num_attention_heads=4,
-                            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
-    folder = tmp_path_factory.mktemp("mixtral16")
-    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).to(torch.bfloat16).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(fp32).save_pretrained(folder)
-    return str(folder)
+    return saved_in_bf16(tmp_path_factory, "mixtral", model_type="mixtral", num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
@@ -129,8 +128,9 @@ def test_bfloat16_model_without_native_bf16_keeps_blocks(family, bf16_folder, bf
         assert model.model.layers["0"].self_attn.qkv_proj.quant_format.name == "BF16"
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
         assert all(m.packed.layout == "blocks" for m in experts) and len(experts) == (family == "mixtral") * 2
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval() \
-            if family == "mixtral" else AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        # Mixtral: transformers' eager loop over experts (its grouped GEMM wants 16-byte row strides).
+        extra = {"experts_implementation": "eager"} if family == "mixtral" else {}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **extra).eval()
         assert_first_tokens_close(llm, hf, PROMPTS + [list(range(100, 140)), list(range(7, 70, 2))])
     finally:
         llm.shutdown()
