@@ -5,7 +5,8 @@ runs one forward pass (a captured CUDA graph for decode steps, engine/cuda_graph
 whole batch at once and returns token ids (and the logprobs asked for), never logits. Under
 pipeline parallelism only the last stage computes logits and samples (its TP rank 0); the other
 ranks run their share of the forward and return None. Sizing and allocating the KV cache at
-start-up is its mixin's (engine/kv_sizing.py)."""
+start-up is a mixin's (engine/kv_sizing.py), sampling, pooling and prompt logprobs another's
+(engine/step_outputs.py); a stream's copy is engine/runner_streams.py's CachedRequestState."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ from engine.weights import checkpoint_tensors, load_weights
 from engine.models.registry import model_class
 from engine.distributed.state import pp_state, tp_state
 from engine.planning import ModelSpec
-from engine.request import TokenSequence
 from engine.sampler import Sampler
-from engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.runner_streams import CachedRequestState
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.step_inputs import StepInputs
+from engine.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -88,32 +90,6 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-class CachedRequestState(TokenSequence):
-    """The runner's copy of one stream: what its forwards read, plus what the sampler keeps for
-    it (a seeded choice's generator, its penalty counts). Kept from the step that sends it
-    (NewRequestData) until the step that names it finished, preemptions included, so that a
-    seeded stream's draws go on where they stopped."""
-
-    def __init__(self, new: NewRequestData):
-        self.req_id = new.req_id
-        self.index = new.index
-        self.prompt_token_ids = new.prompt_token_ids
-        self.output_token_ids = list(new.output_token_ids)
-        self.sampling_params = new.sampling_params
-        self.block_ids = list(new.block_ids)
-        self.num_computed_tokens = new.num_computed_tokens
-        self.generator: torch.Generator | None = None
-        self.penalty_state = None
-        self.logit_bias_tensors = None
-        self.pooled_sum: torch.Tensor | None = None  # mean pooling: the final hidden states so far
-        self.grammar = None  # structured output: its matcher, on the sampling rank (made at its first sample)
-        # Its row of the persistent block table (engine.step_inputs), how many of block_ids that
-        # row holds, and the last step that used it.
-        self.table_row: int | None = None
-        self.table_blocks = 0
-        self.table_step = 0
-
-
 @dataclasses.dataclass
 class StepBatch:
     """What one step's forward and sampling need beyond the staged tensors: the host-side lists."""
@@ -130,7 +106,7 @@ class StepBatch:
     meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
 
 
-class ModelRunner(KVCacheSizing):
+class ModelRunner(KVCacheSizing, StepOutputs):
     def __init__(self, config: EngineConfig, source: ModelSource):
         self.config = config
         self.requests: dict[str, CachedRequestState] = {}
@@ -456,83 +432,3 @@ class ModelRunner(KVCacheSizing):
         if self.threads is not None:
             self.threads.after_step(sched.num_tokens, time.perf_counter() - started)
         return out
-
-    @staticmethod
-    def _failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
-        """This stream's own data made the runner raise: report it (the core fails its request alone)."""
-        logger.warning("stream %s failed in the runner: %r", state.req_id, error)
-        out.failed.append((state.req_id, type(error).__name__))
-
-    def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
-        """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
-        stream whose own data makes it raise is failed."""
-        for state in streams:
-            if state.sampling_params.structured_outputs is not None and state.grammar is None:
-                try:
-                    state.grammar = self._grammars().matcher(state.sampling_params.structured_outputs,
-                                                             state.output_token_ids)
-                except Exception as e:
-                    self._failed(out, state, e)
-        failed = {req_id for req_id, _ in out.failed}
-        keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
-        if len(keep) < len(streams):
-            logits, streams = logits[keep], [streams[i] for i in keep]
-        try:
-            results = list(zip(streams, self.sampler(logits, streams)))
-        except Exception:
-            logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
-            results = []
-            for i, state in enumerate(streams):
-                try:
-                    results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
-                except Exception as e:
-                    self._failed(out, state, e)
-        for state, token in results:
-            if state.grammar is not None and not state.grammar.accept_token(token.token_id):
-                # Only a grammar that allows nothing but a banned token gets here (say, EOS under min_tokens).
-                self._failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
-                continue
-            out.sampled.append((state.req_id, token))
-
-    def _grammars(self):
-        if self.sampler.grammars is None:
-            from engine.structured_output import StructuredOutputs
-
-            self.sampler.grammars = StructuredOutputs(self.source.tokenizer, self.hf_config.vocab_size,
-                                                      self.source.eos_token_ids, self.backend.apply_token_bitmask)
-        return self.sampler.grammars
-
-    def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
-              ends: list) -> None:
-        """Embedding requests: sum each chunk's final hidden states (mean pooling, across chunked
-        prefill steps; a chunk from position 0 starts over, as after a preemption), and once a
-        prompt is done, report the mean or the last token's state, L2-normalised, in float32."""
-        for state, start, a, b in chunks:
-            part = self.model.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
-            state.pooled_sum = part if start == 0 else state.pooled_sum + part
-        for state, row in ends:
-            try:
-                if state.sampling_params.pooling == "mean":
-                    vector = state.pooled_sum / state.num_prompt_tokens
-                else:
-                    vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
-                out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
-            except Exception as e:
-                self._failed(out, state, e)
-
-    @staticmethod
-    def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
-                         rows: torch.Tensor) -> None:
-        """Entries for the prompt tokens these rows score: the token's logprob, plus the top
-        prompt_logprobs of the row."""
-        n_top = state.sampling_params.prompt_logprobs
-        lp = torch.log_softmax(rows, dim=-1)
-        targets = state.prompt_token_ids[first_token:first_token + lp.shape[0]]
-        chosen = lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-        entries = [{} for _ in targets]
-        if n_top:
-            vals, top_ids = (x.tolist() for x in torch.topk(lp, n_top, dim=-1))
-            entries = [dict(zip(i, v)) for i, v in zip(top_ids, vals)]
-        for entry, tok, value in zip(entries, targets, chosen):
-            entry[tok] = value
-        out.prompt_logprobs.append((state.req_id, first_token, entries))
