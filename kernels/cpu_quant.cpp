@@ -183,21 +183,24 @@ inline __m256i q4_bytes(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-// How far ahead of the block being multiplied its weight row is prefetched into L1 (measured on
-// the 2-core AVX-512 machine: 1-3 KB all ~2x faster than none with cold weights; see
-// benchmarks/quant/README.md).
-constexpr int64_t kPrefetchBytes = 2048;
+// How far ahead of the block being multiplied its weight row is prefetched into L1, by format
+// (measured on the 2-core AVX-512 machine: 1-3 KB all ~2x faster than none with cold weights; see
+// benchmarks/quant/README.md). BF16 rows stream the fastest and do best nearer: on the AVX2 machine
+// the default model's 120 layer matrices at one row ran 1.08-1.18x faster 1 KB ahead than 2 KB
+// ahead (and its LM head ~1.1x), where Q4_1 ran 0.95x and Q8_0 0.99x, so those stay at 2 KB
+// (BENCHMARKS.md, "Session 16").
+constexpr int64_t kPrefetchBytes[kNumFormats] = {2048, 2048, 2048, 2048, 2048, 1024};
 
 // The software prefetch of a decode row (one or two activation rows), as the hardware prefetchers
 // alone left a decode matmul at 40% of the bytes per second: every cache line of the bytes
-// kPrefetchBytes past block wb, a fixed count per block (one for blocks of up to 64 bytes; lines
+// kPrefetchBytes[F] past block wb, a fixed count per block (one for blocks of up to 64 bytes; lines
 // already asked for are asked again, at one load slot each). Asking only for each new line as the
 // stream reached it took a branch per block that 20-byte blocks mispredict: that way Q4_1 at one
 // row ran 1.08x slower, cold and warm (BENCHMARKS.md, "Session 14").
 template <int64_t F>
 inline void prefetch_ahead(const uint8_t* wb) {
   for (int64_t o = 0; o < kBlockBytes[F]; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes[F] + o, _MM_HINT_T0);
   }
 }
 

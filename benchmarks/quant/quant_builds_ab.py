@@ -35,9 +35,14 @@ def main() -> None:
         path.write_text(source)
         builds = {"old": cpu_build._build(path, "pagewise_cpu_quant_ab"), "new": cpu_build.load_quant()}
     chosen = {"build": builds["new"]}
-    cpu_fused_layers._linear_addresses = lambda: (chosen["build"].linear_f32_address(),
-                                                  chosen["build"].linear_q8_address(),
-                                                  chosen["build"].linear_q16_address())
+    # The fused layers take their matmuls' addresses from _linear_kernels when they bind: replacing
+    # it is what makes the two arms differ (a renamed hook would silently compare a build with itself,
+    # so the old one is read first and a rename fails here).
+    row_limits = cpu_fused_layers._linear_kernels()[3:]
+    cpu_fused_layers._linear_kernels = lambda: (chosen["build"].linear_f32_address(),
+                                                chosen["build"].linear_q8_address(),
+                                                chosen["build"].linear_q16_address(), *row_limits)
+    assert builds["old"].linear_f32_address() != builds["new"].linear_f32_address()
     llm = LLM(model=args.model or default_gguf_path(), num_threads=2)
     fused = llm.engine.runner.model.model.fused_layers
     steps: list[float] = []
