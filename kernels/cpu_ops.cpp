@@ -474,12 +474,26 @@ inline void weighted_values_any(const float* p, int64_t stride, const T* vc, con
   }
 }
 
+// A row's context is split into chunks of about this many keys (whole blocks), each its own work
+// item, their softmax partials merged after: one decode row has only kv_heads items otherwise, and
+// 3 KV heads on 2 threads left one thread idle for a third of every layer's attention (the default
+// model). The split depends on the row's length alone, so a row's result does not depend on what
+// else shares the call; up to kChunkKeys keys it is one chunk, computed as before the split.
+constexpr int64_t kChunkKeys = 128;
+
+// One work item: query row r's KV head h over blocks [j0, j1) of its table. part < 0: the row's
+// whole context (normalized here, written to out); else the index of its partial sums.
+struct AttentionItem {
+  int64_t r, h, j0, j1, part;
+};
+
 // Every query row attends to the first `len` keys of its sequence: a decode row to the whole
-// context, a prefill row causally (len = its position + 1). Work item = (query row, KV head):
-// its `group` query heads share every key and value load (in chunks of up to 4 heads, whose
-// accumulators stay in registers). The softmax is exact (max, then exp and sum over a float
-// score row); slots past `len` are set to -inf before it and never read for values, so stale or
-// NaN cache contents there cannot leak in.
+// context, a prefill row causally (len = its position + 1). Work item = (query row, KV head, chunk
+// of the context): its `group` query heads share every key and value load (in chunks of up to 4
+// heads, whose accumulators stay in registers). The softmax is exact (max, then exp and sum over a
+// float score row; a split context's chunks are merged by their maxima and sums); slots past `len`
+// are set to -inf before it and never read for values, so stale or NaN cache contents there cannot
+// leak in.
 // T: query and output; C: cache elements (T, or fp8 read as e4m3 * scale). A per-tensor scale
 // factors out of each sum: k_scale joins the query's scale, v_scale multiplies the output once.
 template <typename T, typename C>
@@ -488,25 +502,34 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
                          int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
                          float v_scale, int64_t q_stride, int64_t out_stride) {
   const int64_t group = heads / kv_heads;
-  std::atomic<bool> bad{false};
-  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t part_size = group * (dim + 2);  // a partial: acc [group, dim], then max and sum [group]
+  std::vector<AttentionItem> items;
+  int64_t parts = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t s = row_seq[r], len = lens[r], n_blocks = (len + bs - 1) / bs;
+    // A bad batch is a caller's bug: refuse it before reading anything.
+    bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
+    for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
+    TORCH_CHECK(ok, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
+    const int64_t chunks = std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys);
+    const int64_t per_chunk = (n_blocks + chunks - 1) / chunks;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t j0 = 0; j0 < n_blocks; j0 += per_chunk)
+        items.push_back({r, h, j0, std::min(n_blocks, j0 + per_chunk), chunks > 1 ? parts++ : -1});
+  }
+  std::vector<float> partials(parts * part_size);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * dim), acc(group * dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, h = item % kv_heads, s = row_seq[r];
-      const int64_t len = lens[r], n_blocks = (len + bs - 1) / bs;
-      // A bad batch is a caller's bug: flag it (no throwing inside the parallel region), read nothing.
-      bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
-      for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
-      if (!ok) {
-        bad = true;
-        continue;
-      }
+    for (int64_t i = begin; i < end; ++i) {
+      const AttentionItem& it = items[i];
+      const int64_t len = lens[it.r];
+      const int64_t keys = std::min(it.j1 * bs, len) - it.j0 * bs, n_blocks = it.j1 - it.j0;
       const int64_t stride = (n_blocks * bs + kF - 1) / kF * kF;  // a score row, whole vectors
-      const int64_t* table = tables + s * table_width;
-      const T* qrow = query + r * q_stride + h * group * dim;
-      for (int64_t i = 0; i < group * dim; ++i) q[i] = static_cast<float>(qrow[i]) * scale;
+      const int64_t* table = tables + row_seq[it.r] * table_width + it.j0;
+      const T* qrow = query + it.r * q_stride + it.h * group * dim;
+      for (int64_t k = 0; k < group * dim; ++k) q[k] = static_cast<float>(qrow[k]) * scale;
       scores.resize(group * stride);
-      const int64_t block_base = h * num_blocks;
+      const int64_t block_base = it.h * num_blocks;
       const int64_t block_bytes = dim * bs * static_cast<int64_t>(sizeof(C));
       for (int64_t j = 0; j < std::min(kAhead, n_blocks); ++j) {
         prefetch(kc + (block_base + table[j]) * dim * bs, block_bytes);
@@ -527,41 +550,82 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
           }
         }
       }
+      float* part = it.part < 0 ? nullptr : partials.data() + it.part * part_size;
       const fVec neg_inf(-std::numeric_limits<float>::infinity());
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * stride;
-        std::fill(sc + len, sc + stride, -std::numeric_limits<float>::infinity());
+        std::fill(sc + keys, sc + stride, -std::numeric_limits<float>::infinity());
         fVec mx = neg_inf;
         for (int64_t k = 0; k < stride; k += kF) mx = at::vec::maximum(mx, fVec::loadu(sc + k));
-        const fVec top(mx.reduce_max());
+        const float top = mx.reduce_max();
         fVec total(0.f);
         for (int64_t k = 0; k < stride; k += kF) {
-          fVec e = exp_for<T>(fVec::loadu(sc + k) - top);
+          fVec e = exp_for<T>(fVec::loadu(sc + k) - fVec(top));
           e.store(sc + k);
           total = total + e;
+        }
+        if (part) {  // a chunk keeps its max and sum for the merge; its weights stay unnormalized
+          part[group * dim + g] = top;
+          part[group * dim + group + g] = total.reduce_add();
+          continue;
         }
         const fVec inv(1.f / total.reduce_add());
         for (int64_t k = 0; k < stride; k += kF) (fVec::loadu(sc + k) * inv).store(sc + k);
       }
+      float* a = part ? part : acc.data();
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t gc = std::min<int64_t>(4, group - g0);
         const float* p = scores.data() + g0 * stride;
-        float* a = acc.data() + g0 * dim;
+        float* ag = a + g0 * dim;
         switch (gc) {
-          case 1: weighted_values_any<C, 1>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 2: weighted_values_any<C, 2>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          case 3: weighted_values_any<C, 3>(p, stride, vc, table, len, bs, dim, block_base, a); break;
-          default: weighted_values_any<C, 4>(p, stride, vc, table, len, bs, dim, block_base, a); break;
+          case 1: weighted_values_any<C, 1>(p, stride, vc, table, keys, bs, dim, block_base, ag); break;
+          case 2: weighted_values_any<C, 2>(p, stride, vc, table, keys, bs, dim, block_base, ag); break;
+          case 3: weighted_values_any<C, 3>(p, stride, vc, table, keys, bs, dim, block_base, ag); break;
+          default: weighted_values_any<C, 4>(p, stride, vc, table, keys, bs, dim, block_base, ag); break;
         }
       }
-      T* orow = out + r * out_stride + h * group * dim;
-      for (int64_t i = 0; i < group * dim; i += kF) {
-        const int64_t n = std::min(kF, group * dim - i);
-        store_f(orow + i, fVec::loadu(acc.data() + i, n) * fVec(v_scale), n);
+      if (part) continue;
+      T* orow = out + it.r * out_stride + it.h * group * dim;
+      for (int64_t k = 0; k < group * dim; k += kF) {
+        const int64_t n = std::min(kF, group * dim - k);
+        store_f(orow + k, fVec::loadu(acc.data() + k, n) * fVec(v_scale), n);
       }
     }
   });
-  TORCH_CHECK(!bad, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
+  if (!parts) return;
+  // Merge each split (row, KV head): its chunks are consecutive items, their partials consecutive.
+  std::vector<int64_t> first;  // the first item of each split (row, KV head)
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
+    if (items[i].part >= 0 && items[i].j0 == 0) first.push_back(i);
+  at::parallel_for(0, static_cast<int64_t>(first.size()), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(dim);
+    for (int64_t f = begin; f < end; ++f) {
+      const AttentionItem& it = items[first[f]];
+      const float* p0 = partials.data() + it.part * part_size;
+      int64_t chunks = 1;
+      while (first[f] + chunks < static_cast<int64_t>(items.size()) && items[first[f] + chunks].j0 > 0) ++chunks;
+      T* orow = out + it.r * out_stride + it.h * group * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, p0[c * part_size + group * dim + g]);
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p0 + c * part_size;
+          const float w = std::exp(pc[group * dim + g] - top);
+          total += w * pc[group * dim + group + g];
+          for (int64_t d = 0; d < dim; d += kF) {
+            const int64_t n = std::min(kF, dim - d);
+            (fVec::loadu(sum.data() + d, n) + fVec::loadu(pc + g * dim + d, n) * fVec(w)).store(sum.data() + d, n);
+          }
+        }
+        const fVec inv(v_scale / total);
+        for (int64_t d = 0; d < dim; d += kF) {
+          const int64_t n = std::min(kF, dim - d);
+          store_f(orow + g * dim + d, fVec::loadu(sum.data() + d, n) * inv, n);
+        }
+      }
+    }
+  });
 }
 
 // query/out [rows, heads, head_dim]; row r reads block_tables[row_seq[r]] up to lens[r] keys.
