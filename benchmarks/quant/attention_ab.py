@@ -34,8 +34,8 @@ def main() -> None:
     source = subprocess.run(["git", "show", f"{args.commit}:kernels/cpu_ops.cpp"], check=True,
                             capture_output=True, text=True).stdout
     # Two builds of one module in a process: their pybind classes must not both register globally.
-    source = re.sub(r'pybind11::class_<(\w+)>\(m, "(\w+)"\)', r'pybind11::class_<\1>(m, "\2", pybind11::module_local())',
-                    source)
+    source = re.sub(r'pybind11::class_<(\w+)>\(m, "(\w+)"\)',
+                    r'pybind11::class_<\1>(m, "\2", pybind11::module_local())', source)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "cpu_ops.cpp"
         path.write_text(source)
