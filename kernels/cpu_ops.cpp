@@ -474,11 +474,14 @@ inline void weighted_values_any(const float* p, int64_t stride, const T* vc, con
   }
 }
 
-// A row's context is split into chunks of about this many keys (whole blocks), each its own work
-// item, their softmax partials merged after: one decode row has only kv_heads items otherwise, and
-// 3 KV heads on 2 threads left one thread idle for a third of every layer's attention (the default
-// model). The split depends on the row's length alone, so a row's result does not depend on what
-// else shares the call; up to kChunkKeys keys it is one chunk, computed as before the split.
+// With fewer (row, KV head) work items than twice the threads, each row's context is split into
+// chunks of about this many keys (whole blocks), each its own work item, their softmax partials
+// merged after: a decode row alone has only kv_heads items, and the default model's 3 KV heads on 2
+// threads left one thread idle for a third of every layer's attention (split, one row: 1.01-1.09x at
+// 200 keys, 1.06-1.08x at 500, 1.12-1.16x at 1,800; benchmarks/quant/attention_ab.py). With many rows
+// the items already balance and a split would only add partials and a merge pass (at 32 rows it
+// measured 0.94-0.98x, within the 5% that the same code measured against itself). Up to kChunkKeys
+// keys a row is one chunk, computed as without the split.
 constexpr int64_t kChunkKeys = 128;
 
 // One work item: query row r's KV head h over blocks [j0, j1) of its table. part < 0: the row's
@@ -505,13 +508,14 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
   const int64_t part_size = group * (dim + 2);  // a partial: acc [group, dim], then max and sum [group]
   std::vector<AttentionItem> items;
   int64_t parts = 0;
+  const bool split = num_rows * kv_heads < 2 * at::get_num_threads();
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t s = row_seq[r], len = lens[r], n_blocks = (len + bs - 1) / bs;
     // A bad batch is a caller's bug: refuse it before reading anything.
     bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
     for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
     TORCH_CHECK(ok, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
-    const int64_t chunks = std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys);
+    const int64_t chunks = split ? std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys) : 1;
     const int64_t per_chunk = (n_blocks + chunks - 1) / chunks;
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t j0 = 0; j0 < n_blocks; j0 += per_chunk)

@@ -1,11 +1,11 @@
 """kernels/cpu_ops.cpp's paged attention as of another commit against the working tree's, in one
-process and alternating rounds (this machine's speed moves 20-40% within minutes): one decode row of
-the default model's attention shape (9 query heads on 3 KV heads of 64) over 30 layers' float32
-caches, each a context of the given length in shuffled blocks of 16, cold (a 64 MB write between
-repetitions). Prints each build's median over the rounds of its best of 3 and the largest output
+process and alternating rounds (this machine's speed moves 20-40% within minutes): --rows decode rows
+(one sequence each) of the default model's attention shape (9 query heads on 3 KV heads of 64) over
+30 layers' float32 caches, each sequence a context of the given length in shuffled blocks of 16,
+cold (a 64 MB write between repetitions). Prints each build's median over the rounds of its best of 3 and the largest output
 difference between the two.
 
-    python benchmarks/quant/attention_ab.py COMMIT [--contexts 100,200,500,1800] [--rounds 10]
+    python benchmarks/quant/attention_ab.py COMMIT [--contexts 100,200,500,1800] [--rows 1] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("commit")
     p.add_argument("--contexts", default="100,200,500,1800")
+    p.add_argument("--rows", type=int, default=1)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args()
@@ -43,12 +44,13 @@ def main() -> None:
     layers, kv_heads, heads, dim, block = 30, 3, 9, 64, 16
     flush = torch.empty(64 << 20, dtype=torch.uint8)
     for context in (int(c) for c in args.contexts.split(",")):
-        blocks = -(-context // block) + 1
+        per_seq = -(-context // block)
+        blocks = per_seq * args.rows + 1
         caches = [(torch.randn(kv_heads, blocks, dim, block), torch.randn(kv_heads, blocks, dim, block))
                   for _ in range(layers)]
-        table = torch.randperm(blocks)[None, :].contiguous()
-        query = torch.randn(1, heads, dim)
-        row_seq, lens = torch.zeros(1, dtype=torch.long), torch.tensor([context])
+        table = torch.randperm(blocks)[:per_seq * args.rows].reshape(args.rows, per_seq).contiguous()
+        query = torch.randn(args.rows, heads, dim)
+        row_seq, lens = torch.arange(args.rows), torch.full((args.rows,), context)
         times: dict[str, list[float]] = {"old": [], "new": []}
         outs = {}
         for r in range(args.rounds):
@@ -56,7 +58,7 @@ def main() -> None:
                 best = float("inf")
                 for _ in range(3):
                     flush.add_(1)
-                    out = torch.empty(1, heads, dim)
+                    out = torch.empty(args.rows, heads, dim)
                     start = time.perf_counter()
                     for k, v in caches:
                         builds[name].paged_attention(out, query, k, v, table, row_seq, lens, dim ** -0.5, 1.0, 1.0)

@@ -111,22 +111,12 @@ def test_random_batches(seqs, group, block_size, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_long_contexts_split_into_chunks(dtype, block_size):
-    # Past kChunkKeys (128) keys a row's context is split and the chunks' softmax partials merged:
-    # one key past a boundary, chunks of unequal block counts, and a long context of many chunks.
-    lens = [128, 129, 255, 256, 257, 1000]
-    run(make_batch([1] * len(lens), lens, block_size=block_size, dtype=dtype, seed=block_size + 3))
-
-
-def test_a_rows_attention_does_not_depend_on_its_batch():
-    """The split depends on a row's length only: a decode row gives the same bits alone and among
-    other rows (a prefill and decodes of other lengths)."""
-    b = to_cpu_layout(make_batch([1, 40, 1, 1], [700, 340, 90, 1], seed=5))
-    together = kernels.paged_attention(*b.args(), backend="cpu")
-    starts = torch.tensor([0, 1], dtype=b.query_start_loc.dtype)
-    alone = kernels.paged_attention(b.query[:1], b.k_cache, b.v_cache, b.block_tables[:1], starts, b.seq_lens[:1],
-                                    b.scale, backend="cpu")
-    assert torch.equal(alone[0], together[0])
+@pytest.mark.parametrize("length", [128, 129, 255, 257, 1000])
+def test_a_lone_rows_long_context_is_split_into_chunks(dtype, block_size, length):
+    # One row on one KV head is fewer work items than twice any thread count: past kChunkKeys (128)
+    # keys its context is split and the chunks' softmax partials merged (one key past a boundary,
+    # chunks of unequal block counts, many chunks).
+    run(make_batch([1], [length], num_kv_heads=1, block_size=block_size, dtype=dtype, seed=length + block_size))
 
 
 def test_bad_block_table_is_an_error_not_a_read():
