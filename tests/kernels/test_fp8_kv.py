@@ -218,6 +218,9 @@ def test_cpu_long_contexts():
     # over 700 keys the bfloat16 reference itself drifts past bfloat16's tolerance.
     b, dq = fp8_batch([1, 1, 64], [700, 333, 64 + 250], 0.5, 1.0, "cpu", dtype=torch.float16, seed=9)
     check_fp8_attention("cpu", b, dq, 0.5, 1.0)
+    # A lone row on one KV head: its context split into chunks, merged with v_scale applied once.
+    b, dq = fp8_batch([1], [700], 0.5, 2.0, "cpu", num_kv_heads=1, dtype=torch.float32, seed=10)
+    check_fp8_attention("cpu", b, dq, 0.5, 2.0)
 
 
 # ---- the engine on the triton backend (interpreted on CPU: a few tokens) ------------------------------
