@@ -2,8 +2,8 @@
 process and alternating rounds (this machine's speed moves 20-40% within minutes): --rows decode rows
 (one sequence each) of the default model's attention shape (9 query heads on 3 KV heads of 64) over
 30 layers' float32 caches, each sequence a context of the given length in shuffled blocks of 16,
-cold (a 64 MB write between repetitions). Prints each build's median over the rounds of its best of 3 and the largest output
-difference between the two.
+cold (a 64 MB write between repetitions). Prints each build's median over the rounds of its best of
+3 and the largest output difference between the two.
 
     python benchmarks/quant/attention_ab.py COMMIT [--contexts 100,200,500,1800] [--rows 1] [--rounds 10]
 """

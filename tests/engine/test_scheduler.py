@@ -163,8 +163,10 @@ def _abort_seconds(num: int) -> float:
 
 def test_aborting_n_queued_requests_is_linear():
     """The probe measured 0.57 / 1.62 / 4.70 s to cancel 500 / 1,000 / 2,000 queued requests
-    (quadratic). Four times the requests must cost about four times as long, not sixteen."""
+    (quadratic). Eight times the requests must cost about eight times as long, not sixty-four."""
     # Interleaved, best of five each: a neighbour's load on a shared CPU then hits both sizes alike.
-    times = [(_abort_seconds(5_000), _abort_seconds(20_000)) for _ in range(5)]
+    # The bound sits halfway between linear and quadratic on a log scale: a 2x slowdown of the large
+    # size alone (one full-suite run measured that at 4x the requests: 8.1x) still passes.
+    times = [(_abort_seconds(2_500), _abort_seconds(20_000)) for _ in range(5)]
     small, large = min(t[0] for t in times), min(t[1] for t in times)
-    assert large / small < 8, (small, large)
+    assert large / small < 22, (small, large)
