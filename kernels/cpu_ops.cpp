@@ -437,13 +437,17 @@ inline void weighted_values(const float* p, int64_t stride, const T* vc, const i
     fVec sum[GC][NV];
     for (int g = 0; g < GC; ++g)
       for (int i = 0; i < NV; ++i) sum[g][i] = fVec(0.f);
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t j = k / bs;
-      if (k % bs == 0 && (j + kAhead) * bs < len) prefetch(vc + (block_base + table[j + kAhead]) * bs * dim, block_bytes);
-      const T* row = vc + ((block_base + table[j]) * bs + k % bs) * dim;
-      for (int i = 0; i < NV; ++i) {
-        const fVec v = load_f(row + i * kF);
-        for (int g = 0; g < GC; ++g) sum[g][i] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g][i]);
+    // Block by block, then the block's keys: no division by the (runtime) block size per key.
+    for (int64_t j = 0, k0 = 0; k0 < len; ++j, k0 += bs) {
+      if ((j + kAhead) * bs < len) prefetch(vc + (block_base + table[j + kAhead]) * bs * dim, block_bytes);
+      const T* rows = vc + (block_base + table[j]) * bs * dim;
+      const float* pk = p + k0;
+      for (int64_t k = 0, n = std::min(bs, len - k0); k < n; ++k) {
+        const T* row = rows + k * dim;
+        for (int i = 0; i < NV; ++i) {
+          const fVec v = load_f(row + i * kF);
+          for (int g = 0; g < GC; ++g) sum[g][i] = at::vec::fmadd(fVec(pk[g * stride + k]), v, sum[g][i]);
+        }
       }
     }
     for (int g = 0; g < GC; ++g)
@@ -453,9 +457,12 @@ inline void weighted_values(const float* p, int64_t stride, const T* vc, const i
       const int64_t n = std::min(kF, dim - d0);
       fVec sum[GC];
       for (int g = 0; g < GC; ++g) sum[g] = fVec(0.f);
-      for (int64_t k = 0; k < len; ++k) {
-        const fVec v = load_f(vc + ((block_base + table[k / bs]) * bs + k % bs) * dim + d0, n);
-        for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(p[g * stride + k]), v, sum[g]);
+      for (int64_t j = 0, k0 = 0; k0 < len; ++j, k0 += bs) {
+        const T* rows = vc + (block_base + table[j]) * bs * dim + d0;
+        for (int64_t k = 0, m = std::min(bs, len - k0); k < m; ++k) {
+          const fVec v = load_f(rows + k * dim, n);
+          for (int g = 0; g < GC; ++g) sum[g] = at::vec::fmadd(fVec(p[g * stride + k0 + k]), v, sum[g]);
+        }
       }
       for (int g = 0; g < GC; ++g) sum[g].store(acc + g * dim + d0, n);
     }
