@@ -514,6 +514,7 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
   const int64_t group = heads / kv_heads;
   const int64_t part_size = group * (dim + 2);  // a partial: acc [group, dim], then max and sum [group]
   std::vector<AttentionItem> items;
+  std::vector<std::pair<int64_t, int64_t>> splits;  // each split (row, KV head): its first item, its chunks
   int64_t parts = 0;
   const bool split = num_rows * kv_heads < 2 * at::get_num_threads();
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -522,11 +523,14 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
     bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
     for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
     TORCH_CHECK(ok, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
-    const int64_t chunks = split ? std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys) : 1;
-    const int64_t per_chunk = (n_blocks + chunks - 1) / chunks;
-    for (int64_t h = 0; h < kv_heads; ++h)
+    const int64_t wanted = split ? std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys) : 1;
+    const int64_t per_chunk = (n_blocks + wanted - 1) / wanted;
+    const int64_t chunks = (n_blocks + per_chunk - 1) / per_chunk;  // whole blocks each: may be fewer
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (chunks > 1) splits.emplace_back(static_cast<int64_t>(items.size()), chunks);
       for (int64_t j0 = 0; j0 < n_blocks; j0 += per_chunk)
         items.push_back({r, h, j0, std::min(n_blocks, j0 + per_chunk), chunks > 1 ? parts++ : -1});
+    }
   }
   std::vector<float> partials(parts * part_size);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -603,18 +607,13 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
       }
     }
   });
-  if (!parts) return;
   // Merge each split (row, KV head): its chunks are consecutive items, their partials consecutive.
-  std::vector<int64_t> first;  // the first item of each split (row, KV head)
-  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
-    if (items[i].part >= 0 && items[i].j0 == 0) first.push_back(i);
-  at::parallel_for(0, static_cast<int64_t>(first.size()), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(dim);
     for (int64_t f = begin; f < end; ++f) {
-      const AttentionItem& it = items[first[f]];
+      const auto [first, chunks] = splits[f];
+      const AttentionItem& it = items[first];
       const float* p0 = partials.data() + it.part * part_size;
-      int64_t chunks = 1;
-      while (first[f] + chunks < static_cast<int64_t>(items.size()) && items[first[f] + chunks].j0 > 0) ++chunks;
       T* orow = out + it.r * out_stride + it.h * group * dim;
       for (int64_t g = 0; g < group; ++g) {
         float top = -std::numeric_limits<float>::infinity(), total = 0.f;
