@@ -85,11 +85,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     return out
 
 
-def native_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bfloat16 natively here (AVX-512 BF16 / AMX). Without it (an AVX2-only
-    CPU) its bf16 GEMM measured 3-8x slower than float32 at 16-256 rows, so bf16 weights are better
-    widened to float32 inside the block kernels (kernels/cpu_quant.py, engine/weights.py KeepBF16)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+native_bf16_matmul = cpu_quant.native_bf16_matmul  # its home is beside the block kernels that ask it
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:

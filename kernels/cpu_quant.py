@@ -112,8 +112,13 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
         return y.reshape(*x.shape[:-1], blocks.shape[0])
     if not small:
         if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
-            # No bf16 brgemm (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32 at 16-256
-            # rows here, so the rows are widened once and take the float32 kernels.
+            if native_bf16_matmul() and blocks.shape[0] * rows.shape[1] < TILED_GEMM_WEIGHTS:
+                # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
+                # GEMM runs 4x MKL's sgemm here; a layer's weight dequantized whole stays in cache
+                # (benchmarks/quant/bf16_gemm_rows.py: 1.5x widening at 32 rows, 3.6x at 2,048).
+                return F.linear(x, dequantize(blocks, fmt, torch.bfloat16), bias)
+            # No bf16 brgemm (an AVX2 CPU, or an LM head here): oneDNN's bf16 GEMM runs 3-8x slower than
+            # float32 at 16-256 rows on AVX2, so the rows are widened once and take the float32 kernels.
             y = linear(rows.float(), blocks, fmt)
             if bias is not None:
                 y += bias
@@ -151,6 +156,14 @@ def register_rows(rows: int, weights: int, bf16: bool) -> bool:
     if bf16 and weights >= TILED_GEMM_WEIGHTS and has_brgemm_bf16():
         return rows <= LARGE_REGISTER_ROWS
     return rows <= DEQUANT_GEMM_ROWS
+
+
+def native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively here (AVX-512 BF16 / AMX). Without it (an AVX2-only
+    CPU) its bf16 GEMM measured 3-8x slower than float32 at 16-256 rows, so bf16 weights are better
+    widened to float32 inside the block kernels (engine/weights.py KeepBF16). With AVX512_BF16 alone
+    (no AMX, so no brgemm: Zen 4/5) it runs 4x MKL's float32 sgemm."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def has_brgemm_bf16() -> bool:
