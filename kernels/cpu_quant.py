@@ -76,6 +76,9 @@ DEQUANT_GEMM_ROWS = 16
 TILED_GEMM_ROWS = 128
 TILED_GEMM_WEIGHTS = 8 << 20
 LARGE_REGISTER_ROWS = 8
+# Weights dequantized to bf16 at a time for oneDNN's bf16 GEMM where there is no bf16 brgemm (8 MB of
+# bf16: an LM head of 49,152 x 576 in 7 slices measured 1.1-1.2x slices of 1,024 rows, same speed as 8,192).
+BF16_GEMM_SLICE = 4 << 20
 
 
 def _check(blocks: torch.Tensor, fmt: str) -> int:
@@ -112,11 +115,13 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
         return y.reshape(*x.shape[:-1], blocks.shape[0])
     if not small:
         if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
-            if native_bf16_matmul() and blocks.shape[0] * rows.shape[1] < TILED_GEMM_WEIGHTS:
+            if native_bf16_matmul():
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
-                # GEMM runs 4x MKL's sgemm here; a layer's weight dequantized whole stays in cache
-                # (benchmarks/quant/bf16_gemm_rows.py: 1.5x widening at 32 rows, 3.6x at 2,048).
-                return F.linear(x, dequantize(blocks, fmt, torch.bfloat16), bias)
+                # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
+                # cache), a bigger one (an LM head) a slice of BF16_GEMM_SLICE weights at a time
+                # (benchmarks/quant/bf16_gemm_rows.py: 1.5-1.7x widening at 32 rows, 4.5x at 2,048; an
+                # LM head 1.5x at 17 rows, 1.8x at 32, 3.2x at 128).
+                return _bf16_gemm(x, blocks, fmt, bias)
             # No bf16 brgemm (an AVX2 CPU, or an LM head here): oneDNN's bf16 GEMM runs 3-8x slower than
             # float32 at 16-256 rows on AVX2, so the rows are widened once and take the float32 kernels.
             y = linear(rows.float(), blocks, fmt)
@@ -139,6 +144,21 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+
+
+def _bf16_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (bf16) @ dequantize(blocks)^T with oneDNN's bf16 GEMM, the weight dequantized to bf16 in
+    slices of about BF16_GEMM_SLICE weights, so that each slice is multiplied while it is in cache."""
+    step = max(16, BF16_GEMM_SLICE // x.shape[-1])
+    n = blocks.shape[0]
+    if n <= step:
+        return F.linear(x, dequantize(blocks, fmt, torch.bfloat16), bias)
+    out = x.new_empty(*x.shape[:-1], n)
+    for start in range(0, n, step):
+        out[..., start:start + step] = F.linear(x, dequantize(blocks[start:start + step], fmt, torch.bfloat16))
+    if bias is not None:
+        out += bias
+    return out
 
 
 def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:

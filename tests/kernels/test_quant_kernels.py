@@ -151,6 +151,28 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w, 2 * 2.0 ** -8)).all(), (m, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_bf16_gemm_slices_match_dequantized_reference(fmt, monkeypatch):
+    """bf16 rows past the register kernel on AVX512_BF16 without brgemm (Zen 4/5): the weight is
+    dequantized to bf16 in slices for oneDNN's GEMM. A slice of 20 weight rows here (37 = 20 + 17),
+    so the slices' seams and the bias are checked at a small shape."""
+    _cpu_kernels_or_skip()
+    if cpu_quant.has_brgemm_bf16() or not cpu_quant.native_bf16_matmul():
+        pytest.skip("this CPU takes bf16 brgemm, or has no native bf16 GEMM: another path")
+    n, k = 37, _k(fmt, 2)
+    blocks, w = _weight(fmt, n, k, seed=n)
+    monkeypatch.setattr(cpu_quant, "BF16_GEMM_SLICE", 20 * k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for m in (cpu_quant.DEQUANT_GEMM_ROWS + 1, 64):
+        x = torch.randn(2, m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        got = cpu_quant.linear(x, blocks, fmt, bias)
+        want = x.double() @ w.double().T + bias.double()
+        assert got.dtype == torch.bfloat16 and got.shape == (2, m, n)
+        rel = 2 * 2.0 ** -8  # the weights' rounding to bf16, then the output's
+        bound = _tolerance(x.reshape(-1, k), w, rel).reshape(2, m, n) + rel * bias.double().abs()
+        assert ((got.double() - want).abs() <= bound).all(), (m, fmt)
+
+
 @pytest.mark.parametrize(("fmt", "n"), [(fmt, 150) for fmt in FORMAT_NAMES]
                          + [("Q4_1", n) for n in (133, 131, 130, 129)])
 def test_tiled_f32_kernel_matches_dequantized_reference(fmt, n):
