@@ -76,9 +76,9 @@ DEQUANT_GEMM_ROWS = 16
 TILED_GEMM_ROWS = 128
 TILED_GEMM_WEIGHTS = 8 << 20
 LARGE_REGISTER_ROWS = 8
-# Weights dequantized to bf16 at a time for oneDNN's bf16 GEMM where there is no bf16 brgemm (8 MB of
-# bf16: an LM head of 49,152 x 576 in 7 slices measured 1.1-1.2x slices of 1,024 rows, same speed as 8,192).
-BF16_GEMM_SLICE = 4 << 20
+# Bytes of a weight dequantized at a time for oneDNN's GEMM where it replaces the tiled kernel (an LM
+# head of 49,152 x 576 in bf16 in 7 slices measured 1.1-1.2x slices of 1,024 rows, same speed as 8,192).
+GEMM_SLICE_BYTES = 8 << 20
 
 
 def _check(blocks: torch.Tensor, fmt: str) -> int:
@@ -118,16 +118,18 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
             if native_bf16_matmul():
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
-                # cache), a bigger one (an LM head) a slice of BF16_GEMM_SLICE weights at a time
+                # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time
                 # (benchmarks/quant/bf16_gemm_rows.py: 1.5-1.7x widening at 32 rows, 4.5x at 2,048; an
                 # LM head 1.5x at 17 rows, 1.8x at 32, 3.2x at 128).
-                return _bf16_gemm(x, blocks, fmt, bias)
+                return _sliced_gemm(x, blocks, fmt, bias)
             # No bf16 brgemm (an AVX2 CPU, or an LM head here): oneDNN's bf16 GEMM runs 3-8x slower than
             # float32 at 16-256 rows on AVX2, so the rows are widened once and take the float32 kernels.
             y = linear(rows.float(), blocks, fmt)
             if bias is not None:
                 y += bias
             return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+        if x.dtype == torch.float32 and onednn_float32():
+            return _sliced_gemm(x, blocks, fmt, bias)
         if _tiled(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype):
             tiled = load_quant().linear_f32_tiled if x.dtype == torch.float32 else load_quant().linear_bf16_tiled
             y = tiled(rows.contiguous(), blocks, kernel_id)
@@ -146,19 +148,43 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
 
 
-def _bf16_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (bf16) @ dequantize(blocks)^T with oneDNN's bf16 GEMM, the weight dequantized to bf16 in
-    slices of about BF16_GEMM_SLICE weights, so that each slice is multiplied while it is in cache."""
-    step = max(16, BF16_GEMM_SLICE // x.shape[-1])
+def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequantize(blocks)^T in x's dtype with oneDNN's GEMM (bf16: F.linear; float32: oneDNN's
+    linear, which F.linear's MKL sgemm is not), the weight dequantized in slices of about
+    GEMM_SLICE_BYTES, so that each slice is multiplied while it is in cache."""
+    rows = x.reshape(-1, x.shape[-1])
+    step = max(16, GEMM_SLICE_BYTES // (x.element_size() * rows.shape[1]))
     n = blocks.shape[0]
+
+    def gemm(part: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        w = dequantize(part, fmt, x.dtype)
+        if x.dtype == torch.bfloat16:
+            return F.linear(rows, w, b)
+        return torch.ops.mkldnn._linear_pointwise(rows, w, b, "none", [], "")
+
     if n <= step:
-        return F.linear(x, dequantize(blocks, fmt, torch.bfloat16), bias)
-    out = x.new_empty(*x.shape[:-1], n)
+        return gemm(blocks, bias).reshape(*x.shape[:-1], n)
+    out = rows.new_empty(rows.shape[0], n)
     for start in range(0, n, step):
-        out[..., start:start + step] = F.linear(x, dequantize(blocks[start:start + step], fmt, torch.bfloat16))
+        out[:, start:start + step] = gemm(blocks[start:start + step], None)
     if bias is not None:
         out += bias
-    return out
+    return out.reshape(*x.shape[:-1], n)
+
+
+def onednn_float32() -> bool:
+    """Whether float32 rows past the register kernel take oneDNN's GEMM on the dequantized weight
+    (_sliced_gemm) rather than the tiled kernel or MKL's sgemm: on AVX-512 CPUs without AMX. Measured
+    on a Zen 5 (benchmarks/quant/float32_gemm_rows.py): MKL's sgemm ran at 190-200 GFLOP/s there and
+    oneDNN's at ~460: 1.1-2.2x the old paths at 17-2,048 rows; AMX CPUs and AVX2 ones keep the tiled
+    kernel they were measured with."""
+    if not _onednn_f32:
+        _onednn_f32.append(torch.backends.mkldnn.is_available() and not has_brgemm_bf16()
+                           and torch.backends.cpu.get_cpu_capability() == "AVX512")
+    return _onednn_f32[0]
+
+
+_onednn_f32: list[bool] = []
 
 
 def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:

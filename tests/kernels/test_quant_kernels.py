@@ -152,23 +152,27 @@ def test_tiled_bf16_kernel_matches_dequantized_reference(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_bf16_gemm_slices_match_dequantized_reference(fmt, monkeypatch):
-    """bf16 rows past the register kernel on AVX512_BF16 without brgemm (Zen 4/5): the weight is
-    dequantized to bf16 in slices for oneDNN's GEMM. A slice of 20 weight rows here (37 = 20 + 17),
-    so the slices' seams and the bias are checked at a small shape."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_gemm_matches_dequantized_reference(fmt, dtype, monkeypatch):
+    """Rows past the register kernel where oneDNN's GEMM takes them (bf16: AVX512_BF16 without
+    brgemm; float32: AVX-512 without AMX, Zen 4/5): the weight is dequantized in slices. A slice of
+    20 weight rows here (37 = 20 + 17), so the slices' seams and the bias are checked at a small shape."""
     _cpu_kernels_or_skip()
-    if cpu_quant.has_brgemm_bf16() or not cpu_quant.native_bf16_matmul():
-        pytest.skip("this CPU takes bf16 brgemm, or has no native bf16 GEMM: another path")
+    takes = (not cpu_quant.has_brgemm_bf16() and cpu_quant.native_bf16_matmul() if dtype == torch.bfloat16
+             else cpu_quant.onednn_float32())
+    if not takes:
+        pytest.skip(f"{dtype} rows past the register kernel take another path on this CPU")
     n, k = 37, _k(fmt, 2)
     blocks, w = _weight(fmt, n, k, seed=n)
-    monkeypatch.setattr(cpu_quant, "BF16_GEMM_SLICE", 20 * k)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    monkeypatch.setattr(cpu_quant, "GEMM_SLICE_BYTES", 20 * k * (2 if dtype == torch.bfloat16 else 4))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
     for m in (cpu_quant.DEQUANT_GEMM_ROWS + 1, 64):
-        x = torch.randn(2, m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        x = torch.randn(2, m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         got = cpu_quant.linear(x, blocks, fmt, bias)
         want = x.double() @ w.double().T + bias.double()
-        assert got.dtype == torch.bfloat16 and got.shape == (2, m, n)
-        rel = 2 * 2.0 ** -8  # the weights' rounding to bf16, then the output's
+        assert got.dtype == dtype and got.shape == (2, m, n)
+        # float32: summation order only; bf16: the weights' rounding to bf16, then the output's
+        rel = 1e-5 if dtype == torch.float32 else 2 * 2.0 ** -8
         bound = _tolerance(x.reshape(-1, k), w, rel).reshape(2, m, n) + rel * bias.double().abs()
         assert ((got.double() - want).abs() <= bound).all(), (m, fmt)
 
