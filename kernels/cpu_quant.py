@@ -119,8 +119,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
                 # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time
-                # (benchmarks/quant/bf16_gemm_rows.py: 1.5-1.7x widening at 32 rows, 4.5x at 2,048; an
-                # LM head 1.5x at 17 rows, 1.8x at 32, 3.2x at 128).
+                # (benchmarks/quant/gemm_rows.py --dtype bfloat16: 1.9-2.1x widening at 32 rows, 4.3-4.9x at
+                # 2,048; an LM head 2.1x at 17 rows, 2.4x at 32, 3.7x at 128).
                 return _sliced_gemm(x, blocks, fmt, bias)
             # No bf16 brgemm (an AVX2 CPU, or an LM head here): oneDNN's bf16 GEMM runs 3-8x slower than
             # float32 at 16-256 rows on AVX2, so the rows are widened once and take the float32 kernels.
@@ -175,7 +175,7 @@ def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Te
 def onednn_float32() -> bool:
     """Whether float32 rows past the register kernel take oneDNN's GEMM on the dequantized weight
     (_sliced_gemm) rather than the tiled kernel or MKL's sgemm: on AVX-512 CPUs without AMX. Measured
-    on a Zen 5 (benchmarks/quant/float32_gemm_rows.py): MKL's sgemm ran at 190-200 GFLOP/s there and
+    on a Zen 5 (benchmarks/quant/gemm_rows.py --dtype float32): MKL's sgemm ran at 190-200 GFLOP/s there and
     oneDNN's at ~460: 1.1-2.2x the old paths at 17-2,048 rows; AMX CPUs and AVX2 ones keep the tiled
     kernel they were measured with."""
     if not _onednn_f32:
