@@ -122,8 +122,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
                 # (benchmarks/quant/gemm_rows.py --dtype bfloat16: 1.9-2.1x widening at 32 rows, 4.3-4.9x at
                 # 2,048; an LM head 2.1x at 17 rows, 2.4x at 32, 3.7x at 128).
                 return _sliced_gemm(x, blocks, fmt, bias)
-            # No bf16 brgemm (an AVX2 CPU, or an LM head here): oneDNN's bf16 GEMM runs 3-8x slower than
-            # float32 at 16-256 rows on AVX2, so the rows are widened once and take the float32 kernels.
+            # Neither brgemm nor native bf16 (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32
+            # at 16-256 rows there, so the rows are widened once and take the float32 kernels.
             y = linear(rows.float(), blocks, fmt)
             if bias is not None:
                 y += bias
@@ -152,7 +152,7 @@ def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Te
     """x @ dequantize(blocks)^T in x's dtype with oneDNN's GEMM (bf16: F.linear; float32: oneDNN's
     linear, which F.linear's MKL sgemm is not), the weight dequantized in slices of about
     GEMM_SLICE_BYTES, so that each slice is multiplied while it is in cache."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     step = max(16, GEMM_SLICE_BYTES // (x.element_size() * rows.shape[1]))
     n = blocks.shape[0]
 
