@@ -37,6 +37,7 @@ Each row is quantized on its own, so a row's output does not depend on how many 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -172,19 +173,15 @@ def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Te
     return out.reshape(*x.shape[:-1], n)
 
 
+@functools.cache
 def onednn_float32() -> bool:
     """Whether float32 rows past the register kernel take oneDNN's GEMM on the dequantized weight
     (_sliced_gemm) rather than the tiled kernel or MKL's sgemm: on AVX-512 CPUs without AMX. Measured
     on a Zen 5 (benchmarks/quant/gemm_rows.py --dtype float32): MKL's sgemm ran at 190-200 GFLOP/s there and
     oneDNN's at ~460: 1.1-2.2x the old paths at 17-2,048 rows; AMX CPUs and AVX2 ones keep the tiled
     kernel they were measured with."""
-    if not _onednn_f32:
-        _onednn_f32.append(torch.backends.mkldnn.is_available() and not has_brgemm_bf16()
-                           and torch.backends.cpu.get_cpu_capability() == "AVX512")
-    return _onednn_f32[0]
-
-
-_onednn_f32: list[bool] = []
+    return (torch.backends.mkldnn.is_available() and not has_brgemm_bf16()
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:
@@ -212,14 +209,10 @@ def native_bf16_matmul() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
 def has_brgemm_bf16() -> bool:
     """Whether linear_bf16_tiled runs here (oneDNN's bf16 brgemm: AVX512_BF16 or AMX)."""
-    if not _brgemm:
-        _brgemm.append(bool(load_quant().has_brgemm_bf16()))
-    return _brgemm[0]
-
-
-_brgemm: list[bool] = []
+    return bool(load_quant().has_brgemm_bf16())
 
 
 def linear_int(x: torch.Tensor, blocks: torch.Tensor, fmt: str, activations: str) -> torch.Tensor:

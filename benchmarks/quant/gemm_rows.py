@@ -41,6 +41,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     bf16 = args.dtype == "bfloat16"
+    onednn_float32 = cpu_quant.onednn_float32  # the CPU's own answer, put back after each old/new pair
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul "
           f"{cpu_quant.native_bf16_matmul()}, bf16 brgemm {cpu_quant.has_brgemm_bf16()}, "
           f"oneDNN float32 {cpu_quant.onednn_float32()}")
@@ -50,12 +51,12 @@ def main() -> None:
         blocks = torch.from_numpy(quantize(w, GGMLQuantizationType[fmt]))
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k).to(getattr(torch, args.dtype))
-            cpu_quant._onednn_f32[:] = [False]  # float32 as before this change: the tiled kernel, MKL
+            cpu_quant.onednn_float32 = lambda: False  # float32 as before this change: the tiled kernel, MKL
             old = timed(lambda: cpu_quant.linear(x.float(), blocks, fmt).bfloat16() if bf16
                         else cpu_quant.linear(x, blocks, fmt))
-            cpu_quant._onednn_f32[:] = [True]
+            cpu_quant.onednn_float32 = lambda: True
             new = timed(lambda: cpu_quant.linear(x, blocks, fmt))
-            cpu_quant._onednn_f32.clear()
+            cpu_quant.onednn_float32 = onednn_float32
             print(f"{fmt} {n} x {k}, {m} rows: old {old:.2f} ms, new {new:.2f} ms ({old / new:.2f}x)", flush=True)
         if n == 49152 and not bf16:
             x = torch.randn(32, k)
