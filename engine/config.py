@@ -93,7 +93,9 @@ class EngineConfig:
     quantization_group_size: int = _knob(128, "--quantization int4: input channels sharing one scale and min, "
                                               "32 or 128")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
-                               "float/fp32 = float32; auto: bfloat16 on CUDA, float32 on CPU")
+                               "float/fp32 = float32; auto: bfloat16 on CUDA; on CPU bfloat16 for a 16-bit or "
+                               "quantized checkpoint where the CPU multiplies bf16 natively (AVX512_BF16, AMX), "
+                               "else float32")
     kv_cache_dtype: str = _knob("auto", "KV cache elements, same names as --dtype, or fp8 (= fp8_e4m3, vLLM's "
                                         "names: 1 byte, per-tensor scales 1.0); auto: the same as --dtype")
     device: str = _knob("auto", "auto: cuda when torch sees a GPU, else cpu")

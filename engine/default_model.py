@@ -67,6 +67,7 @@ def _convert(gguf_path: str, out: str) -> None:
     n = len(model.reader.tensors)
     weights = dict(tqdm(model.tensors(), total=n, desc=f"Converting {DEFAULT_MODEL_NAME} (one time)", unit="tensor"))
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    model.config.dtype = "float32"  # what the folder stores, not the GGUF's 16-bit origin: "auto" keeps float32
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     model.tokenizer.save_pretrained(out)

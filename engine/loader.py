@@ -93,6 +93,18 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
                        quantization=method, quantization_group_size=quantization_group_size, prequantized=prequantized)
 
 
+def stored_dtype(path: str) -> str | None:
+    """The dtype a model folder's config.json records for its weights (a .gguf's: see gguf_loader),
+    None when it records none; what dtype "auto" goes by on a CPU (engine.model_runner.resolve_dtype)."""
+    if path.endswith(".gguf"):
+        from engine.gguf_loader import load_gguf
+
+        return str(load_gguf(path, with_tokenizer=False).config.dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json")) as f:
+        config_json = json.load(f)
+    return config_json.get("dtype") or config_json.get("torch_dtype")
+
+
 def _check_gguf_quantization(path: str, quantization: str | None, types: dict[str, tuple[str, str]]) -> None:
     """--quantization on a GGUF file: int8 / int4 quantize a float one; a quantized one is served as
     stored, and the pre-quantized methods read safetensors folders."""

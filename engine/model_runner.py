@@ -52,12 +52,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # CPU defaults to float32: exact parity with transformers, and bfloat16 is only faster
-        # on CPUs with native bf16 matmuls (pass dtype='bfloat16' there).
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | str | None = None) -> torch.dtype:
+    """dtype -> the dtype weights and activations compute in. "auto": bfloat16 on CUDA; on a CPU,
+    bfloat16 when the checkpoint is stored in 16 bits or fewer (`stored`, its config's dtype: a
+    bf16/fp16 folder, a quantized GGUF) and the CPU multiplies bf16 natively, else float32. So a
+    float32 checkpoint keeps float32 (transformers' own "auto" keeps the stored dtype too), a CPU
+    without native bf16 keeps float32 (its bf16 GEMM measured 3-8x slower), and where it has it the
+    16-bit checkpoints take the faster path (oneDNN's bf16 GEMM ran 2x its float32 one on Zen 5, and
+    serving the default model 1.2-1.3x: BENCHMARKS.md, session 18); vLLM's CPU backend likewise runs
+    fp16 checkpoints as bf16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored)
+    sixteen_bit = stored in (torch.bfloat16, torch.float16)
+    return torch.bfloat16 if sixteen_bit and _native_bf16_matmul() else torch.float32
 
 
 def _native_bf16_matmul() -> bool:
@@ -111,7 +122,7 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         self.config = config
         self.requests: dict[str, CachedRequestState] = {}
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, getattr(source.hf_config, "dtype", None))
         self.threads: LoadFollower | None = None  # the default CPU thread count, following other processes' load
         if self.device.type == "cpu":
             keep_freed_memory()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,7 +117,17 @@ def test_synthetic_gguf_round_trips_exactly(tmp_path, arch):
         assert getattr(got, key) == getattr(want, key), key
     assert _head_dim(got) == _head_dim(want)
     assert _rope_theta(got) == _rope_theta(want)
+    assert got.dtype == torch.float32  # every matrix F32: dtype "auto" keeps float32 (resolve_dtype)
     assert loaded.tokenizer is None
+
+
+def test_stored_dtype_of_the_default_file_and_its_folder():
+    """The Q4_1 file reads as a 16-bit checkpoint (what the CPU's dtype "auto" takes as bf16 where
+    native), the float32 folder converted from it as float32."""
+    from engine.loader import stored_dtype
+
+    assert stored_dtype(default_gguf_path()) == "bfloat16"
+    assert stored_dtype(default_model_path()) in ("float32", None)  # None: a cache converted before dtype was written
 
 
 def _write_mixtral_gguf(path, folder: str) -> None:
@@ -251,6 +262,8 @@ def test_concurrent_first_calls_convert_once(converted):
     assert not [f for f in os.listdir(root) if ".tmp-" in f]
     files = set(os.listdir(path))
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["dtype"] == "float32"  # what the folder stores, not the Q4_1 file's "bfloat16"
 
 
 @pytest.mark.slow

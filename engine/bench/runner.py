@@ -34,12 +34,19 @@ def resolve_model(model: str | None) -> str:
         fail(f"no --model given and the default model is unavailable ({e}); pass --model PATH")
 
 
-def resolve_dtype(dtype: str, device: str = "auto") -> str:
+def resolve_dtype(dtype: str, device: str = "auto", model: str | None = None) -> str:
+    """The dtype every backend of a run computes in: the engine's own reading of "auto" for this
+    model on this device (engine.model_runner.resolve_dtype), named, so the peers get the same."""
     if dtype != "auto":
         return dtype
-    import torch
+    from engine.loader import stored_dtype
+    from engine.model_runner import resolve_device, resolve_dtype as engine_dtype
 
-    return "bfloat16" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "float32"
+    try:  # a served model's name (bench serve against a URL) has no folder to read: CPU "auto" -> float32
+        stored = stored_dtype(model) if model else None
+    except (OSError, ValueError):
+        stored = None
+    return str(engine_dtype("auto", resolve_device(device), stored)).removeprefix("torch.")
 
 
 def validate(args) -> None:
@@ -132,7 +139,7 @@ def run(args) -> int:
     validate(args)
     checks.check_environment(args)
     args.model = resolve_model(args.model)
-    args.dtype = resolve_dtype(args.dtype, args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device, args.model)
     check_engine_config(args)
     report.warn_if_busy()
     if args.bench_mode == "serve":

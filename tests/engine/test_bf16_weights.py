@@ -83,16 +83,22 @@ def test_bf16_gguf_generates_transformers_tokens(tmp_path, bf16_folder):
 def test_engine_knob_reaches_the_loader(bf16_folder):
     """cpu_bf16_weights=False converts the matrices to float32 at load; a bfloat16 model (--dtype)
     keeps them as blocks where the CPU has no native bf16 matmul (an AVX2 CPU), else holds bf16
-    weights of its own for oneDNN."""
+    weights of its own for oneDNN; "auto" is a bfloat16 model for this bf16 checkpoint where the CPU
+    has native bf16 matmuls, a float32 one where not."""
     from engine import LLM
 
     from kernels.cpu_ops import native_bf16_matmul
 
     without_native = not native_bf16_matmul()
-    for config, kept in (({}, True), ({"cpu_bf16_weights": False}, False), ({"dtype": "bfloat16"}, without_native),
-                         ({"dtype": "bfloat16", "cpu_bf16_weights": False}, False)):
+    auto = torch.bfloat16 if native_bf16_matmul() else torch.float32
+    for config, kept, dtype in (({"dtype": "float32"}, True, torch.float32),
+                                ({"dtype": "float32", "cpu_bf16_weights": False}, False, torch.float32),
+                                ({"dtype": "bfloat16"}, without_native, torch.bfloat16),
+                                ({"dtype": "bfloat16", "cpu_bf16_weights": False}, False, torch.bfloat16),
+                                ({}, without_native, auto)):
         llm = LLM(bf16_folder, device="cpu", num_kv_blocks=16, max_model_len=128, **config)
         try:
+            assert llm.engine.runner.dtype == dtype, config
             layer = llm.engine.runner.model.model.layers["0"]
             assert (layer.self_attn.qkv_proj.quant_format is not None) == kept, config
         finally:
