@@ -25,10 +25,10 @@ a test run beside a server):
   So with the default thread count the engine looks, a few times a second between steps, at how
   many threads of other processes are runnable (the kernel's count of running tasks less this
   process's own). While they leave CPUs idle it uses them all; while they keep some busy it
-  measures, step by step, whether all the CPUs or only the ones they leave free process more tokens
-  per second, and keeps the free ones only when clearly better (neither wins everywhere:
-  LoadFollower says when each did). BENCHMARKS.md (session 8, "Threads on shared CPUs") has the
-  numbers.
+  measures, step by step and for prefill and decode steps apart, whether all the CPUs or only the
+  ones they leave free process more tokens per second, and keeps all only when clearly better
+  (neither wins everywhere: LoadFollower says when each did). BENCHMARKS.md (session 8, "Threads
+  on shared CPUs", and session 18) has the numbers.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -123,30 +123,54 @@ def runnable_elsewhere(proc: str = "/proc") -> int | None:
     return max(0, running - ours)
 
 
-# How much faster the smaller thread count must measure before the follower keeps it (see below).
+# How much faster every usable CPU must measure before the follower keeps them over the ones the
+# others leave free (see below).
 CLEARLY_FASTER = 1.1
+# The longest hold between probes, in base holds (hold_s): 8 x 20 s.
+MAX_HOLDS = 8
+# Steps the follower chooses for apart: any prompt chunk in the step, or decode rows only.
+STEP_KINDS = ("prefill", "decode")
+
+
+class _Choice:
+    """One kind of step's thread count while other processes keep CPUs busy: its probe and its hold."""
+
+    def __init__(self, threads: int, now: float, hold_s: float):
+        self.threads = threads  # what steps of this kind run with now
+        self.trials: dict[int, list[float]] = {}  # threads -> [tokens, step seconds] while probing
+        self.probes = 0  # steps run in the current probe: they alternate over the candidates
+        self.phase_ends = now  # the current probe's, or the current choice's hold
+        self.hold = hold_s  # the current choice's hold: doubles while probes keep confirming it
+        self.chosen: int | None = None  # the last probe's choice
 
 
 class LoadFollower:
     """The compute thread count on CPUs that other processes share, within `cpus` (usable_cpus()).
 
-    before_step() and after_step() bracket every step, on the thread that runs the forward (torch's
-    thread count is that thread's OpenMP setting). At most every `interval_s`, before_step samples
-    runnable_elsewhere(); the mean of the last `window` samples, rounded, is the CPUs the others
-    take from the machine's `online` ones, and what they leave, `free` (at least 1), is a candidate.
+    before_step(kind) and after_step() bracket every step, on the thread that runs the forward
+    (torch's thread count is that thread's OpenMP setting). before_step samples runnable_elsewhere()
+    at most every `interval_s` (and once at construction, while the model loads); the mean of the
+    last `window` samples, rounded, is the CPUs the others take from the machine's `online` ones, and
+    what they leave, `free` (at least 1), is a candidate. A window also counts as full once its
+    samples span (window - 1) intervals: a 2,048-token prefill under busy loops takes ~1.3 s, one
+    sample each, and the first five steps otherwise ran on every CPU before the follower could act.
+
     Quiet (free >= cpus): every usable CPU. Contended, which of `cpus` and `free` threads is better
-    depends on the work and on the others: measured with one busy loop per CPU, 64 x 128/128 kept
-    more output with 2 threads (each time-sharing a CPU: more of the machine, minus the waits at
-    every parallel region) than with 1, while two engines side by side each did better with 1 (the
-    CPUs split between them, no waits). So the follower measures instead of guessing: for `probe_s`
-    seconds the steps alternate between the candidates (neighbouring steps are alike, so each sees
-    the same mix of prefill and decode), then it keeps the smaller count only if it processed
-    CLEARLY_FASTER times the tokens per second of step time, else every CPU, and probes again after
-    `hold_s` seconds or when the candidates change. Why "clearly": under busy loops the probes read
-    the two counts as even, give or take 15% either way (1 thread 76-106 tok/s, 2 threads 75-130),
-    where a sustained run with one thread kept 15% less; between two engines they read one thread
-    1.15-1.3x faster, and one thread each kept 20-24% more. A sample costs ~0.2 ms (a /proc read
-    per thread of this process): at 5 a second, 0.1% of a CPU."""
+    depends on the work, the CPU and the others, so the follower measures, for prefill steps (any
+    prompt chunk) and decode steps apart: under one busy loop per CPU, bf16 on an AVX-512 CPU ran
+    prefill 1.3x faster on 2 threads and decode even or faster on 1, and a choice made on prefill
+    steps held the decode ones on 2 (session 18). For `probe_s` seconds a kind's steps alternate
+    between the candidates (neighbouring steps of a kind are alike), at least one step each; then it
+    keeps every CPU only if they processed CLEARLY_FASTER times the free ones' tokens per second of
+    step time, else the free ones, and probes again after a hold of `hold_s` seconds, doubled (up
+    to MAX_HOLDS times) each time a probe confirms the last choice, or when the candidates change.
+
+    Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
+    Under busy loops one thread ran at its fair share run after run (bf16, AVX-512: 297-342 tok/s
+    over 64 x 128/128), two anywhere from 0.5x to 1.2x of it (decode 268-561 tok/s, prefill
+    543-1,575), so a probe that read them even could hold a slow two for the next hold; between two
+    engines one thread each kept 20-24% more (float32, AVX2, session 8). A sample costs ~0.2 ms (a
+    /proc read per thread of this process): at 5 a second, 0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
@@ -160,66 +184,84 @@ class LoadFollower:
         self.sample, self.clock = sample, clock
         self.set_threads = set_threads or torch.set_num_threads
         self.threads = cpus
-        self.next_sample_at = 0.0
         self.candidates: tuple[int, ...] = (cpus,)
-        self.trials: dict[int, list[float]] = {}  # threads -> [tokens, step seconds] while probing
-        self.probes = 0  # steps run in the current probe: they alternate over the candidates
-        self.phase_ends = 0.0  # the current probe's, or the current choice's hold
+        self.first_sample_at = self.clock()
+        self.choices = {kind: _Choice(cpus, self.first_sample_at, hold_s) for kind in STEP_KINDS}
+        self.running = self.choices["decode"]  # the kind of the step under way
         self.set_threads(cpus)
+        self._sample(self.first_sample_at)
+        self.next_sample_at = self.first_sample_at  # and another at the first step, however soon
 
-    def _use(self, threads: int, why: str, level: int = logging.INFO) -> None:
+    def _sample(self, now: float) -> None:
+        self.next_sample_at = now + self.interval_s
+        others = self.sample()
+        if others is not None:
+            if not self.samples:
+                self.first_sample_at = now
+            self.samples.append(others)
+
+    def _window_full(self, now: float) -> bool:
+        spans = len(self.samples) > 1 and now - self.first_sample_at >= (self.samples.maxlen - 1) * self.interval_s
+        return len(self.samples) == self.samples.maxlen or spans
+
+    def _use(self, threads: int) -> None:
         if threads != self.threads:
-            logger.log(level, "compute threads %d -> %d (%s)", self.threads, threads, why)
             self.threads = threads
             self.set_threads(threads)
 
-    def before_step(self) -> int:
-        """Resample when due, move the probe on; the thread count for this step."""
+    def before_step(self, kind: str = "decode") -> int:
+        """Resample when due, move this kind's probe on; the thread count for this step.
+        kind: "prefill" (the step holds a prompt chunk) or "decode"."""
         now = self.clock()
         if now >= self.next_sample_at:
-            self.next_sample_at = now + self.interval_s
-            others = self.sample()
-            if others is not None:
-                self.samples.append(others)
-            if len(self.samples) == self.samples.maxlen:  # before that: too few samples to act on
+            self._sample(now)
+            if self._window_full(now):  # before that: too few samples to act on
                 load = math.floor(sum(self.samples) / len(self.samples) + 0.5)
                 free = max(1, min(self.cpus, self.online - load))
                 candidates = (self.cpus,) if free >= self.cpus else (self.cpus, free)
                 if candidates != self.candidates:
-                    self.candidates, self.trials = candidates, {}
+                    self.candidates = candidates
+                    # Probe every kind from its next step on.
+                    self.choices = {k: _Choice(self.cpus, now, self.hold_s) for k in STEP_KINDS}
                     if len(candidates) == 1:
-                        self._use(self.cpus, "the other processes left")
+                        logger.info("compute threads %d again (the other processes left)", self.cpus)
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
-                        self.phase_ends = now  # probe from this step on
+        choice = self.running = self.choices[kind]
         if len(self.candidates) > 1:
-            if now >= self.phase_ends:
-                if self.trials:
-                    self._choose(now)
+            if now >= choice.phase_ends:
+                if choice.trials:
+                    # A probe ends once every candidate ran a step: with steps longer than the
+                    # probe (prefills under load), it lasts one step of each.
+                    if all(seconds > 0 for _, seconds in choice.trials.values()):
+                        self._choose(kind, choice, now)
                 else:  # start a probe
-                    self.trials = {c: [0.0, 0.0] for c in self.candidates}
-                    self.probes = 0
-                    self.phase_ends = now + self.probe_s
-            if self.trials:
-                self._use(self.candidates[self.probes % len(self.candidates)], "probing", logging.DEBUG)
-                self.probes += 1
+                    choice.trials = {c: [0.0, 0.0] for c in self.candidates}
+                    choice.probes = 0
+                    choice.phase_ends = now + self.probe_s
+            if choice.trials:
+                choice.threads = self.candidates[choice.probes % len(self.candidates)]
+                choice.probes += 1
+        self._use(choice.threads)
         return self.threads
 
     def after_step(self, tokens: int, seconds: float) -> None:
-        """Credit a finished step to the thread count it ran with, while probing."""
-        if self.threads in self.trials:
-            trial = self.trials[self.threads]
+        """Credit a finished step to the thread count it ran with, while its kind is probing."""
+        trial = self.running.trials.get(self.threads)
+        if trial is not None:
             trial[0] += tokens
             trial[1] += seconds
 
-    def _choose(self, now: float) -> None:
-        rates = {c: tokens / seconds for c, (tokens, seconds) in self.trials.items() if seconds > 0}
-        self.trials = {}
-        self.phase_ends = now + self.hold_s
-        if len(rates) < len(self.candidates):  # a probe without steps of each: keep every usable CPU
-            self._use(self.cpus, "no steps to compare")
-            return
+    def _choose(self, kind: str, choice: _Choice, now: float) -> None:
+        rates = {c: tokens / seconds for c, (tokens, seconds) in choice.trials.items()}
+        choice.trials = {}
         fewest = min(rates)
-        pick = fewest if rates[fewest] >= CLEARLY_FASTER * rates[self.cpus] else self.cpus
-        self._use(pick, "measured with other processes running: " +
-                  ", ".join(f"{c} threads {r:.0f} tok/s" for c, r in sorted(rates.items())))
+        pick = self.cpus if rates[self.cpus] >= CLEARLY_FASTER * rates[fewest] else fewest
+        # Half of every probe's steps run on the count that lost: a probe that confirms the choice
+        # doubles the next hold (up to MAX_HOLDS base holds), a changed choice starts again.
+        confirmed = pick == choice.chosen
+        choice.hold = min(2 * choice.hold, MAX_HOLDS * self.hold_s) if confirmed else self.hold_s
+        choice.chosen, choice.threads, choice.phase_ends = pick, pick, now + choice.hold
+        logger.log(logging.DEBUG if confirmed else logging.INFO, "compute threads for %s steps: %d (measured with "
+                   "other processes running: %s)", kind, pick,
+                   ", ".join(f"{c} threads {r:.0f} tok/s" for c, r in sorted(rates.items())))

@@ -58,9 +58,10 @@ def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | str | N
     bf16/fp16 folder, a quantized GGUF) and the CPU multiplies bf16 natively, else float32. So a
     float32 checkpoint keeps float32 (transformers' own "auto" keeps the stored dtype too), a CPU
     without native bf16 keeps float32 (its bf16 GEMM measured 3-8x slower), and where it has it the
-    16-bit checkpoints take the faster path (oneDNN's bf16 GEMM ran 2x its float32 one on Zen 5, and
-    serving the default model 1.2-1.3x: BENCHMARKS.md, session 18); vLLM's CPU backend likewise runs
-    fp16 checkpoints as bf16."""
+    16-bit checkpoints take the faster path (on a Zen 5, oneDNN's bf16 GEMM ran 2x its float32 one,
+    the default model's 64 x 128/128 1.6x and `bench serve` at c=32 1.25x, while its perplexity moved
+    +0.15% / -0.05%: BENCHMARKS.md, sessions 17 and 18); vLLM's CPU backend likewise runs fp16
+    checkpoints as bf16."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
@@ -421,7 +422,7 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         """Apply the step's changes, run its forward, sample; then make the forks' block copies
         (they read blocks this forward wrote). None on a rank that does not sample."""
         if self.threads is not None:
-            self.threads.before_step()
+            self.threads.before_step("prefill" if sched.num_tokens > len(sched.num_scheduled_tokens) else "decode")
             started = time.perf_counter()
         self.update_states(sched)
         step = self._prepare_inputs(sched)

@@ -3,10 +3,11 @@
 # thread changes (engine/cpu_threads.py). BEFORE and AFTER are checkouts (git worktrees) of the two
 # commits; each run is `engine bench throughput` from that checkout, so each gets its own code.
 #   benchmarks/threads/shared_cpus.sh /tmp/before /work/main benchmarks/threads
-# DTYPE (default bfloat16) picks the model's dtype: float32 is the engine's own CPU default.
+# DTYPE (default bfloat16) picks the model's dtype; MODEL another model (default: the default model's float32
+# folder), e.g. its Q4_1 file; ROUNDS (default 2) the quiet and busy runs of each.
 set -u
 BEFORE=$1 AFTER=$2 OUT=$3
-JOB="--backend engine --dtype ${DTYPE:-bfloat16} --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
+JOB="--backend engine ${MODEL:+--model $MODEL} --dtype ${DTYPE:-bfloat16} --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
 run() {  # label checkout [extra args]
   local label=$1 dir=$2; shift 2
   (cd "$dir" && python -m engine bench throughput $JOB "$@" --output-json "$OUT/$label.json" >/dev/null 2>&1)
@@ -20,7 +21,7 @@ busy() { for _ in $(seq "$(nproc)"); do python -c "while True: pass" & done; }
 OUT=$(cd "$OUT" && pwd)
 for i in 1 2; do run quiet-before-$i "$BEFORE"; run quiet-after-$i "$AFTER"; done
 busy; sleep 2
-for i in 1 2; do
+for i in $(seq "${ROUNDS:-2}"); do
   run busy-before-$i "$BEFORE"; run busy-after-$i "$AFTER"; run busy-after-1thread-$i "$AFTER" --num-threads 1
 done
 kill $(jobs -p) 2>/dev/null; wait 2>/dev/null

@@ -87,17 +87,46 @@ def test_a_quiet_machine_keeps_every_cpu_and_never_probes():
     assert set(_run(follower, clock, 100, lambda t: 0.05)) == {2} and counts == [2]
 
 
-@pytest.mark.parametrize("faster, chosen", [(2, 2), (1, 1), (None, 2)])
+@pytest.mark.parametrize("faster, chosen", [(2, 2), (1, 1), (None, 1)])
 def test_contended_cpus_probe_both_counts_and_keep_the_faster(faster, chosen):
     # Two busy processes on two CPUs: candidates are all the CPUs (2) and what the others leave (1).
-    # Steps alternate between them for the probe, then the faster stays until the next probe; one
-    # thread only when clearly faster (here 1.6x), so a tie keeps every CPU.
+    # Steps alternate between them for the probe, then the faster stays until the next probe; every
+    # CPU only when clearly faster (here 1.6x), so a tie keeps the free one.
     follower, clock, counts = _follower([2])
-    used = _run(follower, clock, 56, lambda t: 0.05 if t == faster else 0.08)  # a step every 1/8 s
-    assert used[:4] == [2] * 4  # the third sample (at 0.5 s) completes the window
-    assert used[4:12] == [2, 1] * 4  # alternating for 1 s
-    assert set(used[12:52]) == {chosen}  # held for 5 s
-    assert used[52:56] == [2, 1, 2, 1]  # then probed again
+    used = _run(follower, clock, 94, lambda t: 0.05 if t == faster else 0.08)  # a step every 1/8 s
+    # Samples at start-up and at the first step (both at 0 s) and at 0.25 s: the window of 3 is full.
+    assert used[:2] == [2] * 2
+    assert used[2:10] == [2, 1] * 4  # alternating for 1 s
+    assert set(used[10:50]) == {chosen}  # held for 5 s
+    assert used[50:58] == [2, 1] * 4  # then probed again, which confirms the choice:
+    assert set(used[58:94]) == {chosen}  # held for twice as long (the run ends before that)
+
+
+def test_long_steps_fill_the_window_by_time():
+    # Steps of 1 s (prefills under load): the start-up sample and the first step's span more than
+    # (window - 1) intervals, so the first step already probes instead of waiting for 3 steps; the
+    # probe (1 s) outlasts no step, so it takes one step of each count, then keeps the faster.
+    follower, clock, _ = _follower([2])
+    clock.t = 1.0  # the model loaded for a second after the start-up sample
+    used = _run(follower, clock, 5, lambda t: 0.5 if t == 1 else 0.8, dt=1.0)
+    assert used == [2, 1, 1, 1, 1]
+
+
+def test_prefill_and_decode_steps_choose_apart():
+    # Under the same load prefill steps run faster on every CPU and decode steps on the free one
+    # (what bf16 on an AVX-512 CPU measured under busy loops): each kind probes its own steps and
+    # keeps its own count, and a step runs with its kind's.
+    follower, clock, counts = _follower([2])
+    used = []
+    for i in range(48):
+        kind = "prefill" if i % 3 == 0 else "decode"
+        threads = follower.before_step(kind)
+        used.append((kind, threads))
+        follower.after_step(10, 0.05 if threads == (2 if kind == "prefill" else 1) else 0.08)
+        clock.t += 0.125
+    late = used[16:]  # 2-6 s: past both probes (from 0.25 s, 1 s and a step of each count), within the hold
+    assert {t for k, t in late if k == "prefill"} == {2} and {t for k, t in late if k == "decode"} == {1}
+    assert counts[-2:] in ([2, 1], [1, 2])  # torch's count follows each step's kind
 
 
 def test_the_others_leaving_gives_every_cpu_back():
