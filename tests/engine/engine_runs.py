@@ -6,8 +6,8 @@ from __future__ import annotations
 
 def engine_greedy(path, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
     """Each prompt's greedy output ids (EOS ignored) from an LLM built with `config`, shut down after;
-    on the CPU in float32 unless `config` names a device or dtype (the callers compare float32 tokens
-    exactly; "auto" would compute a 16-bit checkpoint in bf16 on a CPU with native bf16)."""
+    on the CPU unless `config` names a device, in float32 unless it names a dtype (the callers compare
+    float32 tokens exactly; "auto" would compute a 16-bit checkpoint in bf16 on a CPU with native bf16)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(path), **{"device": "cpu", "dtype": "float32", **config})
