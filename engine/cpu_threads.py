@@ -220,11 +220,13 @@ class LoadFollower:
                 free = max(1, min(self.cpus, self.online - load))
                 candidates = (self.cpus,) if free >= self.cpus else (self.cpus, free)
                 if candidates != self.candidates:
+                    fewer = any(c.chosen not in (None, self.cpus) for c in self.choices.values())
                     self.candidates = candidates
                     # Probe every kind from its next step on.
                     self.choices = {k: _Choice(self.cpus, now, self.hold_s) for k in STEP_KINDS}
                     if len(candidates) == 1:
-                        logger.info("compute threads %d again (the other processes left)", self.cpus)
+                        logger.log(logging.INFO if fewer else logging.DEBUG,
+                                   "compute threads %d again (the other processes left)", self.cpus)
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
         choice = self.running = self.choices[kind]
@@ -262,6 +264,8 @@ class LoadFollower:
         confirmed = pick == choice.chosen
         choice.hold = min(2 * choice.hold, MAX_HOLDS * self.hold_s) if confirmed else self.hold_s
         choice.chosen, choice.threads, choice.phase_ends = pick, pick, now + choice.hold
-        logger.log(logging.DEBUG if confirmed else logging.INFO, "compute threads for %s steps: %d (measured with "
-                   "other processes running: %s)", kind, pick,
+        # Said when a kind gives up CPUs (a client beside a server makes the others come and go
+        # every few seconds, each time with a probe: a line for each would flood the log).
+        logger.log(logging.INFO if pick != self.cpus and not confirmed else logging.DEBUG,
+                   "compute threads for %s steps: %d (measured with other processes running: %s)", kind, pick,
                    ", ".join(f"{c} threads {r:.0f} tok/s" for c, r in sorted(rates.items())))

@@ -3,6 +3,7 @@ affinity and cgroup quota, and idle OpenMP threads spin briefly unless the user 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -137,6 +138,25 @@ def test_the_others_leaving_gives_every_cpu_back():
     others[0] = 0
     used = _run(follower, clock, 10, lambda t: 0.05)
     assert used[-1] == 2 and counts[-1] == 2
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_the_log_says_when_cpus_are_given_up_and_back(caplog, faster):
+    # A client beside a server makes the others come and go every few seconds: INFO lines only when
+    # a kind of step gives up CPUs and when it gets them back, not for every probe.
+    others = [2]
+    follower, clock, _ = _follower(others)
+    with caplog.at_level(logging.INFO, logger="engine.cpu_threads"):
+        _run(follower, clock, 20, lambda t: 0.05 if t == faster else 0.08)
+        others[0] = 0
+        _run(follower, clock, 10, lambda t: 0.05)
+    said = [r.getMessage() for r in caplog.records]
+    if faster == 1:
+        assert said == ["compute threads for decode steps: 1 (measured with other processes running: "
+                        "1 threads 200 tok/s, 2 threads 125 tok/s)",
+                        "compute threads 2 again (the other processes left)"]
+    else:
+        assert said == []
 
 
 def test_more_cpus_than_the_process_may_use():
