@@ -180,29 +180,28 @@ class LoadFollower:
         self.cpus = cpus
         self.online = online or os.cpu_count() or cpus
         self.interval_s, self.probe_s, self.hold_s = interval_s, probe_s, hold_s
-        self.samples: deque[int] = deque(maxlen=window)
+        self.samples: deque[tuple[float, int]] = deque(maxlen=window)  # (when, runnable_elsewhere())
         self.sample, self.clock = sample, clock
         self.set_threads = set_threads or torch.set_num_threads
         self.threads = cpus
         self.candidates: tuple[int, ...] = (cpus,)
-        self.first_sample_at = self.clock()
-        self.choices = {kind: _Choice(cpus, self.first_sample_at, hold_s) for kind in STEP_KINDS}
+        start = self.clock()
+        self.choices = {kind: _Choice(cpus, start, hold_s) for kind in STEP_KINDS}
         self.running = self.choices["decode"]  # the kind of the step under way
         self.set_threads(cpus)
-        self._sample(self.first_sample_at)
-        self.next_sample_at = self.first_sample_at  # and another at the first step, however soon
+        self._sample(start)
+        self.next_sample_at = start  # and another at the first step, however soon
 
     def _sample(self, now: float) -> None:
         self.next_sample_at = now + self.interval_s
         others = self.sample()
         if others is not None:
-            if not self.samples:
-                self.first_sample_at = now
-            self.samples.append(others)
+            self.samples.append((now, others))
 
     def _window_full(self, now: float) -> bool:
-        spans = len(self.samples) > 1 and now - self.first_sample_at >= (self.samples.maxlen - 1) * self.interval_s
-        return len(self.samples) == self.samples.maxlen or spans
+        if len(self.samples) == self.samples.maxlen:
+            return True
+        return len(self.samples) > 1 and now - self.samples[0][0] >= (self.samples.maxlen - 1) * self.interval_s
 
     def _use(self, threads: int) -> None:
         if threads != self.threads:
@@ -216,7 +215,7 @@ class LoadFollower:
         if now >= self.next_sample_at:
             self._sample(now)
             if self._window_full(now):  # before that: too few samples to act on
-                load = math.floor(sum(self.samples) / len(self.samples) + 0.5)
+                load = math.floor(sum(others for _, others in self.samples) / len(self.samples) + 0.5)
                 free = max(1, min(self.cpus, self.online - load))
                 candidates = (self.cpus,) if free >= self.cpus else (self.cpus, free)
                 if candidates != self.candidates:
