@@ -165,7 +165,7 @@ def _rope_scaling(reader: GGUFHeader | GGUFReader, arch: str) -> dict | None:
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
-def _stored_dtype(reader: GGUFHeader | GGUFReader) -> str:
+def stored_dtype(reader: GGUFHeader | GGUFReader) -> str:
     """The dtype a Hugging Face config would record for this file's weights: "float32" when every
     matrix is F32, "float16" when they are F32/F16, else "bfloat16" (BF16 or quantized blocks: a
     16-bit checkpoint converted). engine.model_runner.resolve_dtype reads it for dtype "auto"."""
@@ -256,7 +256,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel
         rope_theta=meta("rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(reader, arch),
         tie_word_embeddings="output.weight" not in names,
-        dtype=_stored_dtype(reader),
+        dtype=stored_dtype(reader),
         **special,
     )
 

@@ -97,9 +97,10 @@ def stored_dtype(path: str) -> str | None:
     """The dtype a model folder's config.json records for its weights (a .gguf's: see gguf_loader),
     None when it records none; what dtype "auto" goes by on a CPU (engine.model_runner.resolve_dtype)."""
     if path.endswith(".gguf"):
-        from engine.gguf_loader import load_gguf
+        from engine.gguf_header import open_gguf
+        from engine.gguf_loader import stored_dtype as gguf_stored_dtype
 
-        return str(load_gguf(path, with_tokenizer=False).config.dtype).removeprefix("torch.")
+        return gguf_stored_dtype(open_gguf(path))  # the tensor table alone, no config built
     with open(os.path.join(path, "config.json")) as f:
         config_json = json.load(f)
     return config_json.get("dtype") or config_json.get("torch_dtype")
