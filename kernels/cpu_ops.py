@@ -117,8 +117,7 @@ def padded_num_tokens(n: int) -> int:
     return -(-n // step) * step
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+linear = cpu_quant.onednn_linear  # x by a pack_linear_weight result; one home with the block kernels' GEMM
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -159,9 +159,7 @@ def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Te
 
     def gemm(part: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         w = dequantize(part, fmt, x.dtype)
-        if x.dtype == torch.bfloat16:
-            return F.linear(rows, w, b)
-        return torch.ops.mkldnn._linear_pointwise(rows, w, b, "none", [], "")
+        return F.linear(rows, w, b) if x.dtype == torch.bfloat16 else onednn_linear(rows, w, b)
 
     if n <= step:
         return gemm(blocks, bias).reshape(*x.shape[:-1], n)
@@ -171,6 +169,12 @@ def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Te
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias by oneDNN (F.linear's float32 path is MKL's sgemm); weight plain, or in
+    oneDNN's blocked layout (cpu_ops.pack_linear_weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @functools.cache
