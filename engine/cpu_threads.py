@@ -123,6 +123,27 @@ def runnable_elsewhere(proc: str = "/proc") -> int | None:
     return max(0, running - ours)
 
 
+def _affinity() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: no masks to set either
+        return []
+
+
+def _bind_team(cpus: list[int], one_each: bool) -> None:
+    from kernels import cpu_ops
+
+    cpu_ops.set_thread_cpus(cpus, one_each)
+
+
+def _bind_nothing(cpus: list[int], one_each: bool) -> None:
+    pass
+
+
+def _free_caller(cpus: list[int]) -> None:
+    os.sched_setaffinity(0, cpus)  # 0: the calling thread alone (Linux's per-thread masks)
+
+
 # How much faster every usable CPU must measure before the follower keeps them over the ones the
 # others leave free (see below).
 CLEARLY_FASTER = 1.1
@@ -174,10 +195,14 @@ class LoadFollower:
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
-                 set_threads=None):
+                 set_threads=None, bind=None, affinity: list[int] | None = None):
         import torch
 
         self.cpus = cpus
+        # Contended steps on every CPU of the mask run a thread per CPU (see _use).
+        self.affinity = sorted(affinity if affinity is not None else _affinity())
+        self.bind = bind or _bind_team
+        self.bound = False
         self.online = online or os.cpu_count() or cpus
         self.interval_s, self.probe_s, self.hold_s = interval_s, probe_s, hold_s
         self.samples: deque[tuple[float, int]] = deque(maxlen=window)  # (when, runnable_elsewhere())
@@ -204,9 +229,27 @@ class LoadFollower:
         return len(self.samples) > 1 and now - self.samples[0][0] >= (self.samples.maxlen - 1) * self.interval_s
 
     def _use(self, threads: int) -> None:
+        # A contended step on every CPU of the mask binds a thread to each: unbound, the scheduler
+        # at times stacked both threads on one CPU while two busy loops shared the other, and the
+        # step ran at a third of its bound speed (the placement held for seconds: bf16 matmuls
+        # beside two busy loops, 10-12 steps/s in one run of five, 23-25 bound in all five).
+        # One thread stays unbound: moving between CPUs is how it gets its fair share.
+        bind = threads > 1 and len(self.candidates) > 1 and threads == len(self.affinity)
+        if self.bound and not bind:
+            self._bind(False)  # before the team shrinks, so every thread bound is freed
         if threads != self.threads:
             self.threads = threads
             self.set_threads(threads)
+        if bind:
+            self._bind(True)  # every step: a thread the team gained since is bound too
+
+    def _bind(self, one_each: bool) -> None:
+        try:
+            self.bind(self.affinity, one_each)
+            self.bound = one_each
+        except Exception as e:  # the CPU kernels could not be built: threads stay where they are
+            logger.info("compute threads left unbound on shared CPUs (%s)", e)
+            self.bind, self.bound = _bind_nothing, False
 
     def before_step(self, kind: str = "decode") -> int:
         """Resample when due, move this kind's probe on; the thread count for this step.
@@ -248,6 +291,10 @@ class LoadFollower:
 
     def after_step(self, tokens: int, seconds: float) -> None:
         """Credit a finished step to the thread count it ran with, while its kind is probing."""
+        if self.bound:
+            # The calling thread is the team's first: freed between steps, so threads it starts
+            # (a tokenizer's pool, a server's) do not inherit one CPU. Its team mates stay bound.
+            _free_caller(self.affinity)
         trial = self.running.trials.get(self.threads)
         if trial is not None:
             trial[0] += tokens

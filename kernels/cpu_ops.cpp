@@ -31,6 +31,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#ifdef __linux__
+#include <sched.h>  // sched_setaffinity: set_thread_cpus
+#endif
 #include <tuple>
 #include <vector>
 
@@ -1394,12 +1397,39 @@ std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::opt
   return {hidden, res};
 }
 
+// Sets the CPUs each of the op threads (torch's OpenMP team, the calling thread first) may run on:
+// thread i gets cpus[i] alone when one_each (a thread per CPU, so the scheduler cannot stack two of
+// them on one CPU while the other processes take the other: engine/cpu_threads.py says when), else
+// every thread gets all of cpus. Each thread sets its own mask; at::parallel_for over one index per
+// thread hands thread t the index t (ATen's OpenMP split), and a team smaller than asked still
+// covers its threads. Returns how many threads set theirs; a failed call (a CPU outside the cgroup's
+// set) leaves that thread's mask as it was.
+int64_t set_thread_cpus(const std::vector<int64_t>& cpus, bool one_each) {
+  TORCH_CHECK(!cpus.empty(), "set_thread_cpus: no CPUs given");
+  std::atomic<int64_t> done{0};
+#ifdef __linux__
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    cpu_set_t mask;
+    CPU_ZERO(&mask);
+    if (one_each) {
+      CPU_SET(cpus[begin % static_cast<int64_t>(cpus.size())], &mask);
+    } else {
+      for (int64_t cpu : cpus) CPU_SET(cpu, &mask);
+    }
+    done += sched_setaffinity(0, sizeof(mask), &mask) == 0;
+    (void)end;
+  });
+#endif  // elsewhere no thread's mask is set: the op says 0
+  return done.load();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderLayers>(m, "DecoderLayers")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                           std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t,
                           int64_t>())
       .def("forward", &DecoderLayers::forward, "a decode step through every layer, the modules' ops in their order");
+  m.def("set_thread_cpus", &set_thread_cpus, "the CPUs each op thread may run on: one each, or all of them");
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -200,3 +200,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     weighted combine fused."""
     return load().fused_moe(x.contiguous(), topk_weights.float().contiguous(), topk_ids.long().contiguous(),
                             w13, w2, expert_offset, packed)
+
+
+def set_thread_cpus(cpus: list[int], one_each: bool) -> int:
+    """The CPUs torch's op threads may run on (the calling thread is the first): thread i on
+    cpus[i] alone when one_each, else each on all of cpus. How many threads set theirs (0 where
+    the OS has no per-thread affinity)."""
+    return load().set_thread_cpus(list(cpus), one_each)

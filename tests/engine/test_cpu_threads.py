@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -76,10 +77,13 @@ def _run(follower, clock, steps: int, step_s, dt: float = 0.125) -> list[int]:
     return used
 
 
-def _follower(others, cpus=2, online=2, **kw):
+def _follower(others, cpus=2, online=2, binds=None, **kw):
     clock, counts = _Clock(), []
+    binds = [] if binds is None else binds  # (threads then, one_each) per call
+    kw.setdefault("affinity", list(range(cpus)))
     follower = LoadFollower(cpus, online=online, sample=lambda: others[0], clock=clock, set_threads=counts.append,
-                            interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0, **kw)
+                            interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0,
+                            bind=lambda cpus, one_each: binds.append((counts[-1], one_each)), **kw)
     return follower, clock, counts
 
 
@@ -157,6 +161,65 @@ def test_the_log_says_when_cpus_are_given_up_and_back(caplog, faster):
                         "compute threads 2 again (the other processes left)"]
     else:
         assert said == []
+
+
+def test_contended_steps_on_every_cpu_bind_a_thread_to_each():
+    # Each step on both CPUs beside busy processes binds the team a thread per CPU; a step on one
+    # frees them first, while the team is still two (a team of one would not reach the second).
+    others, binds = [2], []
+    follower, clock, counts = _follower(others, binds=binds)
+    used = _run(follower, clock, 10, lambda t: 0.05 if t == 2 else 0.08)
+    assert used == [2, 2, 2, 1, 2, 1, 2, 1, 2, 1]  # quiet until the window is full, then the probe
+    assert binds == [(2, True), (2, False), (2, True), (2, False), (2, True), (2, False), (2, True), (2, False)]
+    others[0] = 0  # quiet again: the window notices within steps, frees the team once, binds no more
+    binds.clear()
+    _run(follower, clock, 5, lambda t: 0.05)
+    assert binds[-1:] in ([], [(2, False)])  # whatever the last probe step was, it ends freed
+    binds.clear()
+    _run(follower, clock, 20, lambda t: 0.05)
+    assert follower.threads == 2 and not follower.bound and binds == []
+
+
+def test_no_binding_where_the_count_is_not_the_mask():
+    # A quota of 2 CPUs within a mask of 8: which two to bind to is not the engine's to choose.
+    binds = []
+    follower, clock, _ = _follower([7], online=8, binds=binds, affinity=list(range(8)))
+    assert 1 in _run(follower, clock, 30, lambda t: 0.05) and binds == []
+
+
+def _masks() -> dict[int, set[int]]:
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds threads to two CPUs")
+def test_binding_sets_each_op_threads_cpu_as_the_kernel_reports():
+    """The real op and the real follower: the kernel's per-thread masks are the oracle."""
+    import torch
+
+    from kernels import cpu_ops
+
+    mask = sorted(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    caller = threading.get_native_id()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_ops.set_thread_cpus(mask[:2], True) == 2
+        bound = _masks()
+        assert bound[caller] == {mask[0]} and {mask[1]} in bound.values()
+        assert cpu_ops.set_thread_cpus(mask, False) == 2
+        assert all(m == set(mask) for m in _masks().values())
+
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, affinity=mask[:2])
+        assert follower.before_step() == 2  # the probe's first count, bound
+        assert os.sched_getaffinity(0) == {mask[0]} and {mask[1]} in _masks().values()
+        follower.after_step(1, 0.01)
+        assert os.sched_getaffinity(0) == set(mask[:2])  # the caller freed between steps
+        assert follower.before_step() == 1  # the probe's second count: the whole team freed
+        assert all(m >= set(mask[:2]) for m in _masks().values())
+    finally:
+        torch.set_num_threads(before)
+        os.sched_setaffinity(0, mask)
+        cpu_ops.set_thread_cpus(mask, False)
 
 
 def test_more_cpus_than_the_process_may_use():
