@@ -149,6 +149,10 @@ def _free_caller(cpus: list[int]) -> None:
 CLEARLY_FASTER = 1.1
 # The longest hold between probes, in base holds (hold_s): 8 x 20 s.
 MAX_HOLDS = 8
+# Neighbouring steps compare only when their token counts are within this ratio (see LoadFollower).
+ALIKE = 1.25
+# A probe that found no alike pair in this many probe_s past its end gives up: the free ones.
+GIVE_UP_PROBES = 4
 # Steps the follower chooses for apart: any prompt chunk in the step, or decode rows only.
 STEP_KINDS = ("prefill", "decode")
 
@@ -158,8 +162,10 @@ class _Choice:
 
     def __init__(self, threads: int, now: float, hold_s: float):
         self.threads = threads  # what steps of this kind run with now
-        self.trials: dict[int, list[float]] = {}  # threads -> [tokens, step seconds] while probing
+        self.probing = False
         self.probes = 0  # steps run in the current probe: they alternate over the candidates
+        self.last: tuple[int, int, float] | None = None  # the probe's last step: threads, tokens, tok/s
+        self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over the free ones'
         self.phase_ends = now  # the current probe's, or the current choice's hold
         self.hold = hold_s  # the current choice's hold: doubles while probes keep confirming it
         self.chosen: int | None = None  # the last probe's choice
@@ -181,10 +187,13 @@ class LoadFollower:
     prompt chunk) and decode steps apart: under one busy loop per CPU, bf16 on an AVX-512 CPU ran
     prefill 1.3x faster on 2 threads and decode even or faster on 1, and a choice made on prefill
     steps held the decode ones on 2 (session 18). For `probe_s` seconds a kind's steps alternate
-    between the candidates (neighbouring steps of a kind are alike), at least one step each; then it
-    keeps every CPU only if they processed CLEARLY_FASTER times the free ones' tokens per second of
-    step time, else the free ones, and probes again after a hold of `hold_s` seconds, doubled (up
-    to MAX_HOLDS times) each time a probe confirms the last choice, or when the candidates change.
+    between the candidates; each two neighbouring steps whose token counts are ALIKE (a 2,048-token
+    prompt chunk and its 16-token tail are not, nor a lone warm-up row and 16 decode rows: such
+    pairs decided whole runs before, at 3x the wrong way) give a ratio of the two counts' tokens
+    per second of step time. Once the probe's time is up and it has a ratio, the follower keeps
+    every CPU only if the median ratio is CLEARLY_FASTER, else the free ones, and probes again after
+    a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each time a probe confirms the last
+    choice, or when the candidates change.
 
     Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
     Under busy loops one thread ran at its fair share run after run (bf16, AVX-512: 297-342 tok/s
@@ -274,16 +283,15 @@ class LoadFollower:
         choice = self.running = self.choices[kind]
         if len(self.candidates) > 1:
             if now >= choice.phase_ends:
-                if choice.trials:
-                    # A probe ends once every candidate ran a step: with steps longer than the
-                    # probe (prefills under load), it lasts one step of each.
-                    if all(seconds > 0 for _, seconds in choice.trials.values()):
+                if choice.probing:
+                    # A probe ends once it has a ratio: with steps longer than the probe
+                    # (prefills under load), after one alike pair.
+                    if choice.ratios or now >= choice.phase_ends + GIVE_UP_PROBES * self.probe_s:
                         self._choose(kind, choice, now)
                 else:  # start a probe
-                    choice.trials = {c: [0.0, 0.0] for c in self.candidates}
-                    choice.probes = 0
+                    choice.probing, choice.probes, choice.last, choice.ratios = True, 0, None, []
                     choice.phase_ends = now + self.probe_s
-            if choice.trials:
+            if choice.probing:
                 choice.threads = self.candidates[choice.probes % len(self.candidates)]
                 choice.probes += 1
         self._use(choice.threads)
@@ -295,16 +303,23 @@ class LoadFollower:
             # The calling thread is the team's first: freed between steps, so threads it starts
             # (a tokenizer's pool, a server's) do not inherit one CPU. Its team mates stay bound.
             _free_caller(self.affinity)
-        trial = self.running.trials.get(self.threads)
-        if trial is not None:
-            trial[0] += tokens
-            trial[1] += seconds
+        choice = self.running
+        if not choice.probing or tokens <= 0 or seconds <= 0:
+            return
+        step = (self.threads, tokens, tokens / seconds)
+        last = choice.last
+        if last is not None and last[0] != step[0] and max(tokens, last[1]) <= ALIKE * min(tokens, last[1]):
+            every, free = (step, last) if step[0] == self.cpus else (last, step)
+            choice.ratios.append(every[2] / free[2])
+        choice.last = step
 
     def _choose(self, kind: str, choice: _Choice, now: float) -> None:
-        rates = {c: tokens / seconds for c, (tokens, seconds) in choice.trials.items()}
-        choice.trials = {}
-        fewest = min(rates)
-        pick = self.cpus if rates[self.cpus] >= CLEARLY_FASTER * rates[fewest] else fewest
+        ratios = sorted(choice.ratios)
+        choice.probing = False
+        fewest = min(self.candidates)
+        # No alike pair at all: nothing says every CPU is faster, so the free ones.
+        ratio = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2 if ratios else 0.0
+        pick = self.cpus if ratio >= CLEARLY_FASTER else fewest
         # Half of every probe's steps run on the count that lost: a probe that confirms the choice
         # doubles the next hold (up to MAX_HOLDS base holds), a changed choice starts again.
         confirmed = pick == choice.chosen
@@ -313,5 +328,6 @@ class LoadFollower:
         # Said when a kind gives up CPUs (a client beside a server makes the others come and go
         # every few seconds, each time with a probe: a line for each would flood the log).
         logger.log(logging.INFO if pick != self.cpus and not confirmed else logging.DEBUG,
-                   "compute threads for %s steps: %d (measured with other processes running: %s)", kind, pick,
-                   ", ".join(f"{c} threads {r:.0f} tok/s" for c, r in sorted(rates.items())))
+                   "compute threads for %s steps: %d (with other processes running, alike steps on %d threads "
+                   "ran at %.2fx the tokens/s of %d, the median of %d pairs)", kind, pick, self.cpus, ratio, fewest,
+                   len(ratios))

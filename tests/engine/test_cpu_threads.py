@@ -117,6 +117,35 @@ def test_long_steps_fill_the_window_by_time():
     assert used == [2, 1, 1, 1, 1]
 
 
+def _prefills(follower, clock, sizes, rate) -> list[int]:
+    """Prefill steps of the given token counts, 1 s apart; rate(threads) is their tokens/s, plus a
+    fixed 0.05 s a step (the weights streamed once whatever the count)."""
+    used = []
+    for tokens in sizes:
+        threads = follower.before_step("prefill")
+        used.append(threads)
+        follower.after_step(tokens, 0.05 + tokens / rate(threads))
+        clock.t += 1.0
+    return used
+
+
+def test_only_alike_neighbours_are_compared():
+    # The probe's first step on every CPU is a prompt's 16-token tail, its step on the free one a
+    # 2,048-token chunk: per token the tail is 7x slower, which says nothing of the thread counts
+    # (one step each decided this before, the wrong way). Only the next, alike, pair counts.
+    follower, clock, _ = _follower([2])
+    clock.t = 1.0
+    used = _prefills(follower, clock, [16, 2048, 2048, 2048, 2048], lambda t: 2000 if t == 2 else 1600)
+    assert used == [2, 1, 2, 2, 2]
+
+
+def test_a_probe_without_alike_steps_gives_up_on_the_free_cpus():
+    follower, clock, _ = _follower([2])
+    clock.t = 1.0
+    used = _prefills(follower, clock, [16, 2048] * 5, lambda t: 2000 if t == 2 else 1600)
+    assert used[:6] == [2, 1] * 3 and set(used[6:]) == {1}  # 1 s probe + 4 x 1 s without a pair
+
+
 def test_prefill_and_decode_steps_choose_apart():
     # Under the same load prefill steps run faster on every CPU and decode steps on the free one
     # (what bf16 on an AVX-512 CPU measured under busy loops): each kind probes its own steps and
@@ -156,8 +185,8 @@ def test_the_log_says_when_cpus_are_given_up_and_back(caplog, faster):
         _run(follower, clock, 10, lambda t: 0.05)
     said = [r.getMessage() for r in caplog.records]
     if faster == 1:
-        assert said == ["compute threads for decode steps: 1 (measured with other processes running: "
-                        "1 threads 200 tok/s, 2 threads 125 tok/s)",
+        assert said == ["compute threads for decode steps: 1 (with other processes running, alike steps on 2 "
+                        "threads ran at 0.62x the tokens/s of 1, the median of 7 pairs)",
                         "compute threads 2 again (the other processes left)"]
     else:
         assert said == []
