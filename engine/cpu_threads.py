@@ -212,6 +212,7 @@ class LoadFollower:
         self.affinity = sorted(affinity if affinity is not None else _affinity())
         self.bind = bind or _bind_team
         self.bound = False
+        self.said_fewer = False  # a probe's choice of fewer threads was logged: say when they are back
         self.online = online or os.cpu_count() or cpus
         self.interval_s, self.probe_s, self.hold_s = interval_s, probe_s, hold_s
         self.samples: deque[tuple[float, int]] = deque(maxlen=window)  # (when, runnable_elsewhere())
@@ -268,16 +269,21 @@ class LoadFollower:
             self._sample(now)
             if self._window_full(now):  # before that: too few samples to act on
                 load = math.floor(sum(others for _, others in self.samples) / len(self.samples) + 0.5)
-                free = max(1, min(self.cpus, self.online - load))
-                candidates = (self.cpus,) if free >= self.cpus else (self.cpus, free)
+                left = self.online - load  # CPUs the others leave idle
+                if left >= self.cpus:
+                    candidates = (self.cpus,)
+                elif left >= 1:  # a thread on each CPU they leave, none where they run
+                    candidates = (left,)
+                else:  # they keep every CPU busy: a thread bound to each CPU, or one
+                    candidates = (self.cpus, 1)
                 if candidates != self.candidates:
-                    fewer = any(c.chosen not in (None, self.cpus) for c in self.choices.values())
                     self.candidates = candidates
-                    # Probe every kind from its next step on.
-                    self.choices = {k: _Choice(self.cpus, now, self.hold_s) for k in STEP_KINDS}
-                    if len(candidates) == 1:
-                        logger.log(logging.INFO if fewer else logging.DEBUG,
+                    # Probe every kind from its next step on (when there is a choice).
+                    self.choices = {k: _Choice(candidates[0], now, self.hold_s) for k in STEP_KINDS}
+                    if candidates == (self.cpus,):
+                        logger.log(logging.INFO if self.said_fewer else logging.DEBUG,
                                    "compute threads %d again (the other processes left)", self.cpus)
+                        self.said_fewer = False
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
         choice = self.running = self.choices[kind]
@@ -327,7 +333,9 @@ class LoadFollower:
         choice.chosen, choice.threads, choice.phase_ends = pick, pick, now + choice.hold
         # Said when a kind gives up CPUs (a client beside a server makes the others come and go
         # every few seconds, each time with a probe: a line for each would flood the log).
-        logger.log(logging.INFO if pick != self.cpus and not confirmed else logging.DEBUG,
+        said = pick != self.cpus and not confirmed
+        self.said_fewer |= said
+        logger.log(logging.INFO if said else logging.DEBUG,
                    "compute threads for %s steps: %d (with other processes running, alike steps on %d threads "
                    "ran at %.2fx the tokens/s of %d, the median of %d pairs)", kind, pick, self.cpus, ratio, fewest,
                    len(ratios))

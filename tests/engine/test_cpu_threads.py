@@ -209,6 +209,16 @@ def test_contended_steps_on_every_cpu_bind_a_thread_to_each():
     assert follower.threads == 2 and not follower.bound and binds == []
 
 
+@pytest.mark.parametrize("others, cpus, online, threads", [(1, 2, 2, 1), (5, 4, 8, 3)])
+def test_cpus_the_others_leave_idle_are_used_without_a_probe(others, cpus, online, threads):
+    # Another engine on one of two CPUs leaves the other idle: a thread there runs alone, so there
+    # is nothing to probe (two engines that each probed took turns taking both CPUs, the slower for both).
+    binds = []
+    follower, clock, counts = _follower([others], cpus=cpus, online=online, binds=binds)
+    used = _run(follower, clock, 40, lambda t: 0.05 if t == cpus else 0.08)
+    assert used[:2] == [cpus] * 2 and set(used[2:]) == {threads} and counts == [cpus, threads] and binds == []
+
+
 def test_no_binding_where_the_count_is_not_the_mask():
     # A quota of 2 CPUs within a mask of 8: which two to bind to is not the engine's to choose.
     binds = []
