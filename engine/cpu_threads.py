@@ -151,7 +151,9 @@ CLEARLY_FASTER = 1.1
 MAX_HOLDS = 8
 # Neighbouring steps compare only when their token counts are within this ratio (see LoadFollower).
 ALIKE = 1.25
-# A probe that found no alike pair in this many probe_s past its end gives up: the free ones.
+# A probe decides on the median of this many alike pairs (one pair's ratio under busy loops read
+# anywhere from 0.6x to 1.8x), or on what it has this many probe_s past its end (none: the free ones).
+MIN_PAIRS = 3
 GIVE_UP_PROBES = 4
 # Steps the follower chooses for apart: any prompt chunk in the step, or decode rows only.
 STEP_KINDS = ("prefill", "decode")
@@ -190,7 +192,7 @@ class LoadFollower:
     between the candidates; each two neighbouring steps whose token counts are ALIKE (a 2,048-token
     prompt chunk and its 16-token tail are not, nor a lone warm-up row and 16 decode rows: such
     pairs decided whole runs before, at 3x the wrong way) give a ratio of the two counts' tokens
-    per second of step time. Once the probe's time is up and it has a ratio, the follower keeps
+    per second of step time. Once the probe's time is up and it has MIN_PAIRS ratios, it keeps
     every CPU only if the median ratio is CLEARLY_FASTER, else the free ones, and probes again after
     a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each time a probe confirms the last
     choice, or when the candidates change.
@@ -290,9 +292,9 @@ class LoadFollower:
         if len(self.candidates) > 1:
             if now >= choice.phase_ends:
                 if choice.probing:
-                    # A probe ends once it has a ratio: with steps longer than the probe
-                    # (prefills under load), after one alike pair.
-                    if choice.ratios or now >= choice.phase_ends + GIVE_UP_PROBES * self.probe_s:
+                    # With steps longer than the probe (prefills under load), it ends after
+                    # MIN_PAIRS pairs.
+                    if len(choice.ratios) >= MIN_PAIRS or now >= choice.phase_ends + GIVE_UP_PROBES * self.probe_s:
                         self._choose(kind, choice, now)
                 else:  # start a probe
                     choice.probing, choice.probes, choice.last, choice.ratios = True, 0, None, []

@@ -110,11 +110,11 @@ def test_contended_cpus_probe_both_counts_and_keep_the_faster(faster, chosen):
 def test_long_steps_fill_the_window_by_time():
     # Steps of 1 s (prefills under load): the start-up sample and the first step's span more than
     # (window - 1) intervals, so the first step already probes instead of waiting for 3 steps; the
-    # probe (1 s) outlasts no step, so it takes one step of each count, then keeps the faster.
+    # probe (1 s) outlasts no step, so it lasts its 3 pairs of neighbours (4 steps), then keeps the faster.
     follower, clock, _ = _follower([2])
     clock.t = 1.0  # the model loaded for a second after the start-up sample
-    used = _run(follower, clock, 5, lambda t: 0.5 if t == 1 else 0.8, dt=1.0)
-    assert used == [2, 1, 1, 1, 1]
+    used = _run(follower, clock, 6, lambda t: 0.5 if t == 1 else 0.8, dt=1.0)
+    assert used == [2, 1, 2, 1, 1, 1]
 
 
 def _prefills(follower, clock, sizes, rate) -> list[int]:
@@ -132,11 +132,11 @@ def _prefills(follower, clock, sizes, rate) -> list[int]:
 def test_only_alike_neighbours_are_compared():
     # The probe's first step on every CPU is a prompt's 16-token tail, its step on the free one a
     # 2,048-token chunk: per token the tail is 7x slower, which says nothing of the thread counts
-    # (one step each decided this before, the wrong way). Only the next, alike, pair counts.
+    # (one step each decided this before, the wrong way). Only the next, alike, pairs count.
     follower, clock, _ = _follower([2])
     clock.t = 1.0
-    used = _prefills(follower, clock, [16, 2048, 2048, 2048, 2048], lambda t: 2000 if t == 2 else 1600)
-    assert used == [2, 1, 2, 2, 2]
+    used = _prefills(follower, clock, [16] + [2048] * 6, lambda t: 2000 if t == 2 else 1600)
+    assert used == [2, 1, 2, 1, 2, 2, 2]
 
 
 def test_a_probe_without_alike_steps_gives_up_on_the_free_cpus():
