@@ -24,11 +24,14 @@ a test run beside a server):
   the engine kept 0.37-0.46x of its quiet throughput and at times less than one thread gets.
   So with the default thread count the engine looks, a few times a second between steps, at how
   many threads of other processes are runnable (the kernel's count of running tasks less this
-  process's own). While they leave CPUs idle it uses them all; while they keep some busy it
-  measures, step by step and for prefill and decode steps apart, whether all the CPUs or only the
-  ones they leave free process more tokens per second, and keeps all only when clearly better
-  (neither wins everywhere: LoadFollower says when each did). BENCHMARKS.md (session 8, "Threads
-  on shared CPUs", and session 18) has the numbers.
+  process's own). While they leave every usable CPU idle it uses them all; while they leave some,
+  a thread on each of those; while they keep every CPU busy it measures, step by step and for
+  prefill and decode steps apart, whether a thread bound to each CPU or a single thread processes
+  more tokens per second, and keeps all only when clearly better (LoadFollower says why each part).
+- Where those threads run: unbound, two threads beside two busy loops were at times stacked on one
+  CPU by the scheduler, for seconds (a third of the step rate); bound, one to each CPU, they kept
+  their rate run after run. BENCHMARKS.md (session 8, "Threads on shared CPUs", and sessions 18
+  and 19) has the numbers.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -40,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from collections import deque
@@ -144,15 +148,15 @@ def _free_caller(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)  # 0: the calling thread alone (Linux's per-thread masks)
 
 
-# How much faster every usable CPU must measure before the follower keeps them over the ones the
-# others leave free (see below).
+# How much faster every usable CPU must measure before the follower keeps them over one thread,
+# when the others keep every CPU busy (see below).
 CLEARLY_FASTER = 1.1
 # The longest hold between probes, in base holds (hold_s): 8 x 20 s.
 MAX_HOLDS = 8
 # Neighbouring steps compare only when their token counts are within this ratio (see LoadFollower).
 ALIKE = 1.25
 # A probe decides on the median of this many alike pairs (one pair's ratio under busy loops read
-# anywhere from 0.6x to 1.8x), or on what it has this many probe_s past its end (none: the free ones).
+# anywhere from 0.6x to 1.8x), or on what it has this many probe_s past its end (none: one thread).
 MIN_PAIRS = 3
 GIVE_UP_PROBES = 4
 # Steps the follower chooses for apart: any prompt chunk in the step, or decode rows only.
@@ -167,7 +171,7 @@ class _Choice:
         self.probing = False
         self.probes = 0  # steps run in the current probe: they alternate over the candidates
         self.last: tuple[int, int, float] | None = None  # the probe's last step: threads, tokens, tok/s
-        self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over the free ones'
+        self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over one thread's
         self.phase_ends = now  # the current probe's, or the current choice's hold
         self.hold = hold_s  # the current choice's hold: doubles while probes keep confirming it
         self.chosen: int | None = None  # the last probe's choice
@@ -179,30 +183,33 @@ class LoadFollower:
     before_step(kind) and after_step() bracket every step, on the thread that runs the forward
     (torch's thread count is that thread's OpenMP setting). before_step samples runnable_elsewhere()
     at most every `interval_s` (and once at construction, while the model loads); the mean of the
-    last `window` samples, rounded, is the CPUs the others take from the machine's `online` ones, and
-    what they leave, `free` (at least 1), is a candidate. A window also counts as full once its
-    samples span (window - 1) intervals: a 2,048-token prefill under busy loops takes ~1.3 s, one
-    sample each, and the first five steps otherwise ran on every CPU before the follower could act.
+    last `window` samples, rounded, is the CPUs the others take from the machine's `online` ones.
+    A window also counts as full once its samples span (window - 1) intervals: a 2,048-token
+    prefill under busy loops takes ~1.3 s, one sample each, and the first five steps otherwise ran
+    on every CPU before the follower could act.
 
-    Quiet (free >= cpus): every usable CPU. Contended, which of `cpus` and `free` threads is better
-    depends on the work, the CPU and the others, so the follower measures, for prefill steps (any
-    prompt chunk) and decode steps apart: under one busy loop per CPU, bf16 on an AVX-512 CPU ran
-    prefill 1.3x faster on 2 threads and decode even or faster on 1, and a choice made on prefill
-    steps held the decode ones on 2 (session 18). For `probe_s` seconds a kind's steps alternate
+    What the others leave idle decides: every usable CPU (`cpus`), all of them: quiet. Some: a
+    thread on each of those, no probe: it runs alone there, and a thread more would time-share a
+    CPU with theirs. Two engines side by side that each probed instead took turns holding both CPUs
+    (the one on two threads kept 1.4x its single-thread rate while the other's fell to half: 290
+    tok/s each against 445 on a thread each, session 19). None: every step contends whatever the
+    count, and which is better, `cpus` threads (bound, one to each CPU: _use) or one, depends on the
+    work, the CPU and the others, so the follower measures, for prefill steps (any prompt chunk) and
+    decode steps apart: under one busy loop per CPU, bf16 on an AVX-512 CPU ran prefill 1.3x faster
+    on 2 threads and decode even or faster on 1, and a choice made on prefill steps held the decode
+    ones on 2 (session 18). For `probe_s` seconds a kind's steps alternate
     between the candidates; each two neighbouring steps whose token counts are ALIKE (a 2,048-token
     prompt chunk and its 16-token tail are not, nor a lone warm-up row and 16 decode rows: such
     pairs decided whole runs before, at 3x the wrong way) give a ratio of the two counts' tokens
     per second of step time. Once the probe's time is up and it has MIN_PAIRS ratios, it keeps
-    every CPU only if the median ratio is CLEARLY_FASTER, else the free ones, and probes again after
+    every CPU only if the median ratio is CLEARLY_FASTER, else one, and probes again after
     a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each time a probe confirms the last
     choice, or when the candidates change.
 
-    Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
-    Under busy loops one thread ran at its fair share run after run (bf16, AVX-512: 297-342 tok/s
-    over 64 x 128/128), two anywhere from 0.5x to 1.2x of it (decode 268-561 tok/s, prefill
-    543-1,575), so a probe that read them even could hold a slow two for the next hold; between two
-    engines one thread each kept 20-24% more (float32, AVX2, session 8). A sample costs ~0.2 ms (a
-    /proc read per thread of this process): at 5 a second, 0.1% of a CPU."""
+    Why one thread in a tie: it ran at its fair share (2/3 of a CPU beside two busy loops) run after
+    run, while two threads, even bound, swing with the others' time slices (bf16, AVX-512, 64 x
+    128/128: one thread 297-342 tok/s, two bound 280-371). A sample costs ~0.2 ms (a /proc read per
+    thread of this process): at 5 a second, 0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
@@ -317,16 +324,15 @@ class LoadFollower:
         step = (self.threads, tokens, tokens / seconds)
         last = choice.last
         if last is not None and last[0] != step[0] and max(tokens, last[1]) <= ALIKE * min(tokens, last[1]):
-            every, free = (step, last) if step[0] == self.cpus else (last, step)
-            choice.ratios.append(every[2] / free[2])
+            every, one = (step, last) if step[0] == self.cpus else (last, step)
+            choice.ratios.append(every[2] / one[2])
         choice.last = step
 
     def _choose(self, kind: str, choice: _Choice, now: float) -> None:
-        ratios = sorted(choice.ratios)
         choice.probing = False
         fewest = min(self.candidates)
-        # No alike pair at all: nothing says every CPU is faster, so the free ones.
-        ratio = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2 if ratios else 0.0
+        # No alike pair at all: nothing says every CPU is faster, so one thread.
+        ratio = statistics.median(choice.ratios) if choice.ratios else 0.0
         pick = self.cpus if ratio >= CLEARLY_FASTER else fewest
         # Half of every probe's steps run on the count that lost: a probe that confirms the choice
         # doubles the next hold (up to MAX_HOLDS base holds), a changed choice starts again.
@@ -340,4 +346,4 @@ class LoadFollower:
         logger.log(logging.INFO if said else logging.DEBUG,
                    "compute threads for %s steps: %d (with other processes running, alike steps on %d threads "
                    "ran at %.2fx the tokens/s of %d, the median of %d pairs)", kind, pick, self.cpus, ratio, fewest,
-                   len(ratios))
+                   len(choice.ratios))

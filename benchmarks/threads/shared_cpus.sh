@@ -10,7 +10,7 @@ BEFORE=$1 AFTER=$2 OUT=$3
 JOB="--backend engine ${MODEL:+--model $MODEL} --dtype ${DTYPE:-bfloat16} --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
 run() {  # label checkout [extra args]
   local label=$1 dir=$2; shift 2
-  (cd "$dir" && python -m engine bench throughput $JOB "$@" --output-json "$OUT/$label.json" >/dev/null 2>&1)
+  (cd "$dir" && python -m engine bench throughput $JOB "$@" --output-json "$OUT/$label.json" >"$OUT/$label.log" 2>&1)
   python - "$OUT/$label.json" "$label" <<'PY'
 import json, sys
 tok = json.load(open(sys.argv[1]))["results"][0]["metrics"]["output_tokens_per_s"]
