@@ -24,14 +24,14 @@ a test run beside a server):
   the engine kept 0.37-0.46x of its quiet throughput and at times less than one thread gets.
   So with the default thread count the engine looks, a few times a second between steps, at how
   many threads of other processes are runnable (the kernel's count of running tasks less this
-  process's own). While they leave every usable CPU idle it uses them all; while they leave some,
-  a thread on each of those; while they keep every CPU busy it measures, step by step and for
-  prefill and decode steps apart, whether a thread bound to each CPU or a single thread processes
-  more tokens per second, and keeps all only when clearly better (LoadFollower says why each part).
-- Where those threads run: unbound, two threads beside two busy loops were at times stacked on one
-  CPU by the scheduler, for seconds (a third of the step rate); bound, one to each CPU, they kept
-  their rate run after run. BENCHMARKS.md (session 8, "Threads on shared CPUs", and sessions 18
-  and 19) has the numbers.
+  process's own). While they leave every usable CPU idle it uses them all; while they keep some
+  busy it measures, step by step and for prefill and decode steps apart, whether all the CPUs or
+  only the ones they leave free process more tokens per second, and keeps all only when clearly
+  better (neither wins everywhere: LoadFollower says when each did).
+- Where those threads run: while the others keep every CPU busy, a step on all of them binds a
+  thread to each CPU. Unbound, two threads beside two busy loops at times ran a third as fast,
+  for seconds, as the scheduler placed them (LoadFollower._use has the numbers). BENCHMARKS.md
+  (session 8, "Threads on shared CPUs", and sessions 18 and 19) has the measurements.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -148,15 +148,15 @@ def _free_caller(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)  # 0: the calling thread alone (Linux's per-thread masks)
 
 
-# How much faster every usable CPU must measure before the follower keeps them over one thread,
-# when the others keep every CPU busy (see below).
+# How much faster every usable CPU must measure before the follower keeps them over
+# the ones the others leave free (see below).
 CLEARLY_FASTER = 1.1
 # The longest hold between probes, in base holds (hold_s): 8 x 20 s.
 MAX_HOLDS = 8
 # Neighbouring steps compare only when their token counts are within this ratio (see LoadFollower).
 ALIKE = 1.25
 # A probe decides on the median of this many alike pairs (one pair's ratio under busy loops read
-# anywhere from 0.6x to 1.8x), or on what it has this many probe_s past its end (none: one thread).
+# anywhere from 0.6x to 1.8x), or on what it has this many probe_s past its end (none: the free ones).
 MIN_PAIRS = 3
 GIVE_UP_PROBES = 4
 # Steps the follower chooses for apart: any prompt chunk in the step, or decode rows only.
@@ -171,7 +171,7 @@ class _Choice:
         self.probing = False
         self.probes = 0  # steps run in the current probe: they alternate over the candidates
         self.last: tuple[int, int, float] | None = None  # the probe's last step: threads, tokens, tok/s
-        self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over one thread's
+        self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over the free ones'
         self.phase_ends = now  # the current probe's, or the current choice's hold
         self.hold = hold_s  # the current choice's hold: doubles while probes keep confirming it
         self.chosen: int | None = None  # the last probe's choice
@@ -188,27 +188,29 @@ class LoadFollower:
     prefill under busy loops takes ~1.3 s, one sample each, and the first five steps otherwise ran
     on every CPU before the follower could act.
 
-    What the others leave idle decides: every usable CPU (`cpus`), all of them: quiet. Some: a
-    thread on each of those, no probe: it runs alone there, and a thread more would time-share a
-    CPU with theirs. Two engines side by side that each probed instead took turns holding both CPUs
-    (the one on two threads kept 1.4x its single-thread rate while the other's fell to half: 290
-    tok/s each against 445 on a thread each, session 19). None: every step contends whatever the
-    count, and which is better, `cpus` threads (bound, one to each CPU: _use) or one, depends on the
-    work, the CPU and the others, so the follower measures, for prefill steps (any prompt chunk) and
-    decode steps apart: under one busy loop per CPU, bf16 on an AVX-512 CPU ran prefill 1.3x faster
-    on 2 threads and decode even or faster on 1, and a choice made on prefill steps held the decode
-    ones on 2 (session 18). For `probe_s` seconds a kind's steps alternate
+    Quiet (the others leave every usable CPU idle): all of them. Contended, which is better, `cpus`
+    threads or `free` (what the others leave, at least 1; when they leave none, `cpus` threads run
+    bound, one to each CPU: _use), depends on the work, the CPU and the others. The count the
+    others take is no exact measure either: a server beside its benchmark client read ~1 CPU taken
+    most of the time while the client's own threads were runnable 1-11% of it (serving on the free
+    CPU alone lost a third of the output rate, session 19). So the follower
+    measures, for prefill steps (any prompt chunk) and decode steps apart: under one busy loop per
+    CPU, bf16 on an AVX-512 CPU ran prefill 1.3x faster on 2 threads and decode even or faster on
+    1, and a choice made on prefill steps held the decode ones on 2 (session 18). For `probe_s`
+    seconds a kind's steps alternate
     between the candidates; each two neighbouring steps whose token counts are ALIKE (a 2,048-token
     prompt chunk and its 16-token tail are not, nor a lone warm-up row and 16 decode rows: such
     pairs decided whole runs before, at 3x the wrong way) give a ratio of the two counts' tokens
     per second of step time. Once the probe's time is up and it has MIN_PAIRS ratios, it keeps
-    every CPU only if the median ratio is CLEARLY_FASTER, else one, and probes again after
+    every CPU only if the median ratio is CLEARLY_FASTER, else the free ones, and probes again after
     a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each time a probe confirms the last
     choice, or when the candidates change.
 
-    Why one thread in a tie: it ran at its fair share (2/3 of a CPU beside two busy loops) run after
-    run, while two threads, even bound, swing with the others' time slices (bf16, AVX-512, 64 x
-    128/128: one thread 297-342 tok/s, two bound 280-371). A sample costs ~0.2 ms (a /proc read per
+    Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
+    One thread beside two busy loops ran at its fair share (2/3 of a CPU) run after run, while two
+    swing with the others' time slices, even bound (bf16, AVX-512, 64 x 128/128: one thread 297-342
+    tok/s, two bound 280-371); between two engines one thread each kept 20-24% more (float32, AVX2,
+    session 8). A sample costs ~0.2 ms (a /proc read per
     thread of this process): at 5 a second, 0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
@@ -229,6 +231,7 @@ class LoadFollower:
         self.set_threads = set_threads or torch.set_num_threads
         self.threads = cpus
         self.candidates: tuple[int, ...] = (cpus,)
+        self.crowded = False  # the others keep every CPU busy: every-CPU steps bind (see _use)
         start = self.clock()
         self.choices = {kind: _Choice(cpus, start, hold_s) for kind in STEP_KINDS}
         self.running = self.choices["decode"]  # the kind of the step under way
@@ -248,12 +251,15 @@ class LoadFollower:
         return len(self.samples) > 1 and now - self.samples[0][0] >= (self.samples.maxlen - 1) * self.interval_s
 
     def _use(self, threads: int) -> None:
-        # A contended step on every CPU of the mask binds a thread to each: unbound, the scheduler
-        # at times stacked both threads on one CPU while two busy loops shared the other, and the
-        # step ran at a third of its bound speed (the placement held for seconds: bf16 matmuls
-        # beside two busy loops, 10-12 steps/s in one run of five, 23-25 bound in all five).
+        # While the others keep every CPU busy, a step on every CPU of the mask binds a thread to
+        # each: unbound, two threads beside two busy loops at times ran a third as fast as bound,
+        # for seconds (the scheduler's placement holds: bf16 matmuls, 10-12 steps/s in one run of
+        # five, 23-25 bound in all five; the engine, 180 or 390 tok/s unbound, 349-371 bound).
+        # Not while they leave a CPU idle: there, bound threads beat one thread at the cost of the
+        # one that other process runs (two engines side by side: the one that bound its threads
+        # ran 1.4x, the other fell to half, 290 tok/s each against 445 unbound, session 19).
         # One thread stays unbound: moving between CPUs is how it gets its fair share.
-        bind = threads > 1 and len(self.candidates) > 1 and threads == len(self.affinity)
+        bind = threads > 1 and self.crowded and threads == len(self.affinity)
         if self.bound and not bind:
             self._bind(False)  # before the team shrinks, so every thread bound is freed
         if threads != self.threads:
@@ -279,14 +285,9 @@ class LoadFollower:
             if self._window_full(now):  # before that: too few samples to act on
                 load = math.floor(sum(others for _, others in self.samples) / len(self.samples) + 0.5)
                 left = self.online - load  # CPUs the others leave idle
-                if left >= self.cpus:
-                    candidates = (self.cpus,)
-                elif left >= 1:  # a thread on each CPU they leave, none where they run
-                    candidates = (left,)
-                else:  # they keep every CPU busy: a thread bound to each CPU, or one
-                    candidates = (self.cpus, 1)
-                if candidates != self.candidates:
-                    self.candidates = candidates
+                candidates = (self.cpus,) if left >= self.cpus else (self.cpus, max(1, left))
+                if (candidates, left <= 0) != (self.candidates, self.crowded):
+                    self.candidates, self.crowded = candidates, left <= 0
                     # Probe every kind from its next step on (when there is a choice).
                     self.choices = {k: _Choice(candidates[0], now, self.hold_s) for k in STEP_KINDS}
                     if candidates == (self.cpus,):
@@ -324,14 +325,14 @@ class LoadFollower:
         step = (self.threads, tokens, tokens / seconds)
         last = choice.last
         if last is not None and last[0] != step[0] and max(tokens, last[1]) <= ALIKE * min(tokens, last[1]):
-            every, one = (step, last) if step[0] == self.cpus else (last, step)
-            choice.ratios.append(every[2] / one[2])
+            every, free = (step, last) if step[0] == self.cpus else (last, step)
+            choice.ratios.append(every[2] / free[2])
         choice.last = step
 
     def _choose(self, kind: str, choice: _Choice, now: float) -> None:
         choice.probing = False
         fewest = min(self.candidates)
-        # No alike pair at all: nothing says every CPU is faster, so one thread.
+        # No alike pair at all: nothing says every CPU is faster, so the free ones.
         ratio = statistics.median(choice.ratios) if choice.ratios else 0.0
         pick = self.cpus if ratio >= CLEARLY_FASTER else fewest
         # Half of every probe's steps run on the count that lost: a probe that confirms the choice
