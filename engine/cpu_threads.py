@@ -286,8 +286,12 @@ class LoadFollower:
                 load = math.floor(sum(others for _, others in self.samples) / len(self.samples) + 0.5)
                 left = self.online - load  # CPUs the others leave idle
                 candidates = (self.cpus,) if left >= self.cpus else (self.cpus, max(1, left))
-                if (candidates, left <= 0) != (self.candidates, self.crowded):
-                    self.candidates, self.crowded = candidates, left <= 0
+                # Crowded or not changes only where the threads run, not the probe: beside another
+                # engine the others' count swings between 1 and 2 (its probes), and restarting ours
+                # at each swing put half of every few seconds' steps on the slower count.
+                self.crowded = left <= 0
+                if candidates != self.candidates:
+                    self.candidates = candidates
                     # Probe every kind from its next step on (when there is a choice).
                     self.choices = {k: _Choice(candidates[0], now, self.hold_s) for k in STEP_KINDS}
                     if candidates == (self.cpus,):

@@ -216,9 +216,16 @@ def test_threads_are_bound_only_while_the_others_keep_every_cpu_busy():
     follower, clock, _ = _follower([1], binds=binds)
     used = _run(follower, clock, 10, lambda t: 0.05 if t == 2 else 0.08)
     assert used[2:10] == [2, 1] * 4 and binds == []
-    follower, clock, _ = _follower([2], binds=binds)
-    _run(follower, clock, 10, lambda t: 0.05 if t == 2 else 0.08)
+    others = [2]
+    follower, clock, _ = _follower(others, binds=binds)
+    _run(follower, clock, 12, lambda t: 0.05 if t == 2 else 0.08)  # the probe, then every CPU
     assert binds[:2] == [(2, True), (2, False)]
+    # The others' count swinging between crowded and not moves no probe: the choice holds.
+    assert follower.threads == 2
+    binds.clear()
+    for others[0] in [1, 2, 1, 2, 1]:  # within the 5 s hold: 0.5 s each
+        assert set(_run(follower, clock, 4, lambda t: 0.05 if t == 2 else 0.08)) == {2}
+    assert (2, True) in binds and (2, False) in binds
 
 
 def test_no_binding_where_the_count_is_not_the_mask():
