@@ -189,8 +189,8 @@ class LoadFollower:
     on every CPU before the follower could act.
 
     Quiet (the others leave every usable CPU idle): all of them. Contended, which is better, `cpus`
-    threads or `free` (what the others leave, at least 1; when they leave none, `cpus` threads run
-    bound, one to each CPU: _use), depends on the work, the CPU and the others. The count the
+    threads or `free` (what the others leave, at least 1; when every sample of the window saw them
+    leave none, `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU and the others. The count the
     others take is no exact measure either: a server beside its benchmark client read ~1 CPU taken
     most of the time while the client's own threads were runnable 1-11% of it (serving on the free
     CPU alone lost a third of the output rate, session 19). So the follower
@@ -286,10 +286,14 @@ class LoadFollower:
                 load = math.floor(sum(others for _, others in self.samples) / len(self.samples) + 0.5)
                 left = self.online - load  # CPUs the others leave idle
                 candidates = (self.cpus,) if left >= self.cpus else (self.cpus, max(1, left))
-                # Crowded or not changes only where the threads run, not the probe: beside another
-                # engine the others' count swings between 1 and 2 (its probes), and restarting ours
-                # at each swing put half of every few seconds' steps on the slower count.
-                self.crowded = left <= 0
+                # Crowded: every sample of the window saw the others fill every CPU, as CPU-bound
+                # work does (busy loops, a compile); another engine's threads sleep between its
+                # steps and at its barriers. Binding beat one thread beside the first and, beside
+                # the second, won for the prober at the neighbour's cost (see _use). Crowded or not
+                # changes only where the threads run, not the probe: beside another engine the count
+                # swings with its probes, and restarting ours at each swing put half of every few
+                # seconds' steps on the slower count.
+                self.crowded = min(others for _, others in self.samples) >= self.online
                 if candidates != self.candidates:
                     self.candidates = candidates
                     # Probe every kind from its next step on (when there is a choice).
