@@ -141,9 +141,9 @@ class EngineConfig:
                                          "kernels widen them in registers (the same values; sums in another order); "
                                          "off: converted to float32 (or held for oneDNN's bf16 matmul) at load")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
-                                          "use, its affinity capped by its cgroup CPU quota; while other processes "
-                                          "keep some busy, those they leave idle; while they keep all busy, one "
-                                          "thread or one bound to each CPU, whichever measures faster)")
+                                          "use, its affinity capped by its cgroup CPU quota; fewer while other "
+                                          "processes keep them busy and fewer measure faster; bound one to each CPU "
+                                          "while other processes fill every one)")
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
     data_parallel_size: int = _knob(1, "independent engine replicas behind one server")

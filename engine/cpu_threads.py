@@ -168,7 +168,7 @@ class _Choice:
 
     def __init__(self, threads: int, now: float, hold_s: float):
         self.threads = threads  # what steps of this kind run with now
-        self.probing = False
+        self.probing = False  # a probe is under way: steps alternate, alike pairs are compared
         self.probes = 0  # steps run in the current probe: they alternate over the candidates
         self.last: tuple[int, int, float] | None = None  # the probe's last step: threads, tokens, tok/s
         self.ratios: list[float] = []  # per pair of alike neighbours: every CPU's tok/s over the free ones'
@@ -190,28 +190,27 @@ class LoadFollower:
 
     Quiet (the others leave every usable CPU idle): all of them. Contended, which is better, `cpus`
     threads or `free` (what the others leave, at least 1; when every sample of the window saw them
-    leave none, `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU and the others. The count the
-    others take is no exact measure either: a server beside its benchmark client read ~1 CPU taken
-    most of the time while the client's own threads were runnable 1-11% of it (serving on the free
-    CPU alone lost a third of the output rate, session 19). So the follower
+    leave none, the `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU
+    and the others. Nor is the count the others take an exact measure: a server beside its benchmark
+    client read ~1 CPU taken most of the time while the client's own threads were runnable 1-11% of
+    it (serving on the free CPU alone lost a third of the output rate, session 19). So the follower
     measures, for prefill steps (any prompt chunk) and decode steps apart: under one busy loop per
     CPU, bf16 on an AVX-512 CPU ran prefill 1.3x faster on 2 threads and decode even or faster on
     1, and a choice made on prefill steps held the decode ones on 2 (session 18). For `probe_s`
-    seconds a kind's steps alternate
-    between the candidates; each two neighbouring steps whose token counts are ALIKE (a 2,048-token
-    prompt chunk and its 16-token tail are not, nor a lone warm-up row and 16 decode rows: such
-    pairs decided whole runs before, at 3x the wrong way) give a ratio of the two counts' tokens
-    per second of step time. Once the probe's time is up and it has MIN_PAIRS ratios, it keeps
-    every CPU only if the median ratio is CLEARLY_FASTER, else the free ones, and probes again after
-    a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each time a probe confirms the last
-    choice, or when the candidates change.
+    seconds a kind's steps alternate between the candidates; each two neighbouring steps whose token
+    counts are ALIKE (a 2,048-token prompt chunk and its 16-token tail are not, nor a lone warm-up
+    row and 16 decode rows: such pairs decided whole runs before, at 3x the wrong way) give a ratio
+    of the two counts' tokens per second of step time. Once the probe's time is up and it has
+    MIN_PAIRS ratios, it keeps every CPU only if the median ratio is CLEARLY_FASTER, else the free
+    ones, and probes again after a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each
+    time a probe confirms the last choice, or when the candidates change.
 
     Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
     One thread beside two busy loops ran at its fair share (2/3 of a CPU) run after run, while two
     swing with the others' time slices, even bound (bf16, AVX-512, 64 x 128/128: one thread 297-342
     tok/s, two bound 280-371); between two engines one thread each kept 20-24% more (float32, AVX2,
-    session 8). A sample costs ~0.2 ms (a /proc read per
-    thread of this process): at 5 a second, 0.1% of a CPU."""
+    session 8). A sample costs ~0.2 ms (a /proc read per thread of this process): at 5 a second,
+    0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,

@@ -1398,8 +1398,8 @@ std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::opt
 }
 
 // Sets the CPUs each of the op threads (torch's OpenMP team, the calling thread first) may run on:
-// thread i gets cpus[i] alone when one_each (a thread per CPU, so the scheduler cannot stack two of
-// them on one CPU while the other processes take the other: engine/cpu_threads.py says when), else
+// thread i gets cpus[i] alone when one_each (a thread per CPU: beside busy loops the scheduler's
+// placement of unbound threads at times cost two thirds of their rate, engine/cpu_threads.py), else
 // every thread gets all of cpus. Each thread sets its own mask; at::parallel_for over one index per
 // thread hands thread t the index t (ATen's OpenMP split), and a team smaller than asked still
 // covers its threads. Returns how many threads set theirs; a failed call (a CPU outside the cgroup's
