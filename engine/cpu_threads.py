@@ -214,13 +214,14 @@ class LoadFollower:
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
-                 set_threads=None, bind=None, affinity: list[int] | None = None):
+                 set_threads=None, bind=None, free_caller=None, affinity: list[int] | None = None):
         import torch
 
         self.cpus = cpus
         # Contended steps on every CPU of the mask run a thread per CPU (see _use).
         self.affinity = sorted(affinity if affinity is not None else _affinity())
         self.bind = bind or _bind_team
+        self.free_caller = free_caller or _free_caller
         self.bound = False
         self.said_fewer = False  # a probe's choice of fewer threads was logged: say when they are back
         self.online = online or os.cpu_count() or cpus
@@ -232,11 +233,15 @@ class LoadFollower:
         self.candidates: tuple[int, ...] = (cpus,)
         self.crowded = False  # the others keep every CPU busy: every-CPU steps bind (see _use)
         start = self.clock()
-        self.choices = {kind: _Choice(cpus, start, hold_s) for kind in STEP_KINDS}
+        self._fresh_choices(start)
         self.running = self.choices["decode"]  # the kind of the step under way
         self.set_threads(cpus)
         self._sample(start)
         self.next_sample_at = start  # and another at the first step, however soon
+
+    def _fresh_choices(self, now: float) -> None:
+        """Every kind starts over on every CPU, and probes from its next step on when there is a choice."""
+        self.choices = {kind: _Choice(self.cpus, now, self.hold_s) for kind in STEP_KINDS}
 
     def _sample(self, now: float) -> None:
         self.next_sample_at = now + self.interval_s
@@ -295,8 +300,7 @@ class LoadFollower:
                 self.crowded = min(others for _, others in self.samples) >= self.online
                 if candidates != self.candidates:
                     self.candidates = candidates
-                    # Probe every kind from its next step on (when there is a choice).
-                    self.choices = {k: _Choice(candidates[0], now, self.hold_s) for k in STEP_KINDS}
+                    self._fresh_choices(now)
                     if candidates == (self.cpus,):
                         logger.log(logging.INFO if self.said_fewer else logging.DEBUG,
                                    "compute threads %d again (the other processes left)", self.cpus)
@@ -325,7 +329,7 @@ class LoadFollower:
         if self.bound:
             # The calling thread is the team's first: freed between steps, so threads it starts
             # (a tokenizer's pool, a server's) do not inherit one CPU. Its team mates stay bound.
-            _free_caller(self.affinity)
+            self.free_caller(self.affinity)
         choice = self.running
         if not choice.probing or tokens <= 0 or seconds <= 0:
             return

@@ -1408,7 +1408,7 @@ int64_t set_thread_cpus(const std::vector<int64_t>& cpus, bool one_each) {
   TORCH_CHECK(!cpus.empty(), "set_thread_cpus: no CPUs given");
   std::atomic<int64_t> done{0};
 #ifdef __linux__
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t) {
     cpu_set_t mask;
     CPU_ZERO(&mask);
     if (one_each) {
@@ -1417,7 +1417,6 @@ int64_t set_thread_cpus(const std::vector<int64_t>& cpus, bool one_each) {
       for (int64_t cpu : cpus) CPU_SET(cpu, &mask);
     }
     done += sched_setaffinity(0, sizeof(mask), &mask) == 0;
-    (void)end;
   });
 #endif  // elsewhere no thread's mask is set: the op says 0
   return done.load();

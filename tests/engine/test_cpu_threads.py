@@ -83,7 +83,8 @@ def _follower(others, cpus=2, online=2, binds=None, **kw):
     kw.setdefault("affinity", list(range(cpus)))
     follower = LoadFollower(cpus, online=online, sample=lambda: others[0], clock=clock, set_threads=counts.append,
                             interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0,
-                            bind=lambda cpus, one_each: binds.append((counts[-1], one_each)), **kw)
+                            bind=lambda cpus, one_each: binds.append((counts[-1], one_each)),
+                            free_caller=lambda cpus: None, **kw)  # this test thread's own mask stays
     return follower, clock, counts
 
 
