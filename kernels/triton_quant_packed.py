@@ -24,12 +24,16 @@ thread a load. Two kernels read the layout:
   owns BLOCK_N columns and a split of K; per word it accumulates s = sum_j x[k] u_j in float32, and
   applies the block's d * s + m * sum_j x[k] (the scale factored out of the block's sum).
 - `dot`: more rows: dequantizes a [BLOCK_K, BLOCK_N] tile to x's dtype and feeds tl.dot.
-Both write float32 partials when K is split (summed by triton_quant.sum_splits_kernel). Nothing
-is read back from the GPU: a step calling them can be captured in a CUDA graph.
+When K is split, both write float32 partials: `gemv`'s last split of a column tile to finish sums
+them (an arrival count a tile, split_counts), `dot`'s are summed by triton_quant.sum_splits_kernel.
+Nothing is read back from the GPU: a step calling them can be captured in a CUDA graph.
 
-Measured (H100, BENCHMARKS.md session 13): the one-row kernel streams a 16384 x 2048 int4 weight at
-1.34 TB/s (the GGUF-block kernel 0.55), and a batch-1 decode step of a Llama-3.2-1B shape runs
-1.18x the bf16 step's tokens/s with int4 weights (0.62x on the blocks), 1.05x with int8.
+Measured (BENCHMARKS.md, sessions 13 and 20): the one-row kernel streams a 16384 x 2048 int4
+weight at 1.34 TB/s on an H100, 1.60 TB/s on an H200 (the GGUF-block kernel 0.55; cuBLAS reads
+the bf16 matrix at 3.5 TB/s), and a batch-1 decode step of a Llama-3.2-1B shape runs 1.14-1.26x
+the bf16 step's tokens/s with int4 weights (0.62x on the blocks). No tile or split target of the
+sweeps moved the big shapes much; by a count of ~40 instructions a 32-bit word of codes, issue
+rather than memory is the likely bound (an estimate: not profiled with Nsight Compute yet).
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from kernels import triton_ops, triton_quant
 FORMATS = {"Q8_0": (8, 128.0), "Q4_0": (4, 8.0), "Q4_1": (4, None)}
 GROUP_SIZE = 32  # weights a scale covers (a GGUF block)
 GROUP = tl.constexpr(GROUP_SIZE)  # the same, for the kernels (a plain global would not compile)
-# Split K until this many programs per SM run. 2, with GEMV_TILE below: the best of 54 tiles x split
-# targets for a 1B model's four one-row matmuls on an H100 (BENCHMARKS.md, session 13).
+# Split K until this many programs per SM run. 2, with GEMV_TILE below: the best of the tile x split
+# target sweeps for a 1B model's four one-row matmuls (an H100 in session 13, an H200 in session 20).
 PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 32
 
@@ -98,7 +102,7 @@ def pack(blocks: torch.Tensor, fmt_name: str) -> PackedWeight:
 
 
 @triton.jit
-def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr):
+def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr = True):
     """x[k] * u for code j of each word [WORDS, BLOCK_N] (its inputs at x_ptrs + j [WORDS]), and x[k].
 
     The code is turned into a float without a shift or an int->float convert: masked in place
@@ -106,68 +110,126 @@ def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr):
     exactly while it stays in the 23 mantissa bits (the caller hands codes above bit 15 over as
     words >> 16); x is scaled by 2^-(BITS*j) instead, also exactly. Two ALU ops a code (the mask
     and OR fuse into one LOP3) where a shift, mask and convert take three, one of them slow."""
-    x = tl.load(x_ptrs + j, mask=w_in, other=0.0).to(tl.float32)
+    if MASKED:
+        x = tl.load(x_ptrs + j, mask=w_in, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs + j).to(tl.float32)
     u = ((words & (((1 << BITS) - 1) << (BITS * j))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     return (x * (1.0 / (1 << (BITS * j))))[:, None] * u, x
 
 
 @triton.jit
-def _block_scales(scales_ptr, groups, cols, mask, N, num_groups, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr):
+def _block_scales(scales_ptr, groups, cols, mask, N, num_groups, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """Blocks `groups` [R] of columns `cols`: their d and m (m = -OFFSET d where the format stores
-    no min), float32 [R, BLOCK_N] each; masked-off entries 0."""
+    no min), float32 [R, BLOCK_N] each; masked-off entries 0 (MASKED; else all are read)."""
     ptrs = scales_ptr + groups.to(tl.int64)[:, None] * N + cols[None, :]
-    d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if MASKED:
+        d = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        d = tl.load(ptrs).to(tl.float32)
     if HAS_MIN:
-        m = tl.load(ptrs + num_groups * N, mask=mask, other=0.0).to(tl.float32)
+        if MASKED:
+            m = tl.load(ptrs + num_groups * N, mask=mask, other=0.0).to(tl.float32)
+        else:
+            m = tl.load(ptrs + num_groups * N).to(tl.float32)
     else:
         m = -OFFSET * d
     return d, m
 
 
+@triton.jit
+def _word_rows(words_ptr, scales_ptr, wr, cols, mask, N, num_groups, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+               WPG: tl.constexpr, MASKED: tl.constexpr):
+    """Word rows wr [WORDS] of columns cols (where `mask`, if MASKED): the words, their blocks' d and m."""
+    ptrs = words_ptr + wr.to(tl.int64)[:, None] * N + cols[None, :]
+    if MASKED:
+        words = tl.load(ptrs, mask=mask, other=0)
+    else:
+        words = tl.load(ptrs)
+    d, mn = _block_scales(scales_ptr, wr // WPG, cols, mask, N, num_groups, OFFSET, HAS_MIN, MASKED)
+    return words, d, mn
+
+
+@triton.jit
+def _store_row(out_ptr, bias_ptr, y, cols, col_in, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_in)
+
+
 @triton.jit(do_not_specialize=["stride_split"])
-def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_split,
+def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split, stride_split,
                 BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """One row: out[n] = sum_k x[k] w[n, k] (+ bias) over this program's split of K (axis 1); in
-    out's dtype, or, PARTIAL, float32 partials at out + split * stride_split, no bias. A step is
-    WORDS word rows [WORDS, BLOCK_N], every tensor in the words' layout (a thread's columns
-    adjacent): per word s = sum_j x[k] u_j, then acc += d s + m sum_j x[k] (the block's scale
-    factored out of its sum); one reduction over the word rows at the end."""
+                PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """One row: out[n] = sum_k x[k] w[n, k] (+ bias), in out's dtype. A step is WORDS word rows
+    [WORDS, BLOCK_N], every tensor in the words' layout (a thread's columns adjacent): per word
+    s = sum_j x[k] u_j, then acc += d s + m sum_j x[k] (the block's scale factored out of its sum);
+    one reduction over the word rows at the end.
+
+    The next step's words and scales are loaded before this step's arithmetic, so a program keeps
+    two steps' bytes in flight (with GEMV_TILE, a 1B layer's four shapes took 34.6 us on an H200,
+    40.4 us loading each step in the step that uses it). EVEN (the columns fill whole tiles and every split
+    whole steps): no masks (the arithmetic a weight is a few instructions; masks and their selects
+    were a third more); the last step's prefetch reads that step's rows again (cache hits) rather
+    than past its split.
+
+    PARTIAL (K split over axis 1): each program writes its float32 partial at part_ptr + split *
+    stride_split, then counts itself in at count_ptr[column tile]; the last of the tile's splits to
+    arrive sums the partials in split order (the result does not depend on who came last), adds
+    the bias, stores, and sets the count back to 0 for the next launch. One launch where a second
+    kernel summing the partials cost ~1.5 us a matmul (48 of 64 at batch 1 on a 1B model)."""
     P: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = P // 2  # codes in each 16-bit half of a word
     WPG: tl.constexpr = GROUP // P  # words a block spans
+    STEP: tl.constexpr = WORDS * P
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_in = cols < N
-    r = tl.arange(0, WORDS)
     first = tl.program_id(1) * k_per_split
     last = tl.minimum(first + k_per_split, K)
+    last_word = last // P
     num_groups = K // GROUP
+    wr = first // P + tl.arange(0, WORDS)
+    mask = (wr < last_word)[:, None] & col_in[None, :]  # (EVEN: unused, none is needed)
+    words, d, mn = _word_rows(words_ptr, scales_ptr, wr, cols, mask, N, num_groups, OFFSET, HAS_MIN, WPG, not EVEN)
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(first, last, WORDS * P):
-        wr = k0 // P + r
-        w_in = wr < last // P
-        mask = w_in[:, None] & col_in[None, :]
-        words = tl.load(words_ptr + wr.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+    for k0 in range(first, last, STEP):
+        x_mask = wr < last_word
+        if EVEN:
+            ahead = wr + (tl.minimum(k0 + STEP, last - STEP) - k0) // P  # the last step: itself again
+        else:
+            ahead = wr + WORDS
+        mask = (ahead < last_word)[:, None] & col_in[None, :]
+        next_words, next_d, next_mn = _word_rows(words_ptr, scales_ptr, ahead, cols, mask, N, num_groups, OFFSET,
+                                                 HAS_MIN, WPG, not EVEN)
         high = words >> 16
         x_ptrs = x_ptr + wr * P
         s = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         xs = tl.zeros((WORDS,), dtype=tl.float32)
         for j in tl.static_range(HALF):
-            p, x = _code_products(x_ptrs, w_in, words, j, BITS)
+            p, x = _code_products(x_ptrs, x_mask, words, j, BITS, not EVEN)
             s += p
             xs += x
-            p, x = _code_products(x_ptrs + HALF, w_in, high, j, BITS)
+            p, x = _code_products(x_ptrs + HALF, x_mask, high, j, BITS, not EVEN)
             s += p
             xs += x
-        d, mn = _block_scales(scales_ptr, wr // WPG, cols, mask, N, num_groups, OFFSET, HAS_MIN)
         acc += d * s + mn * xs[:, None]
+        wr += WORDS
+        words, d, mn = next_words, next_d, next_mn
     y = tl.sum(acc, axis=0)
     if PARTIAL:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y, mask=col_in)
+        tile = tl.program_id(0)
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y, mask=col_in)
+        tl.debug_barrier()  # every thread's partial stored before the count says so (release below)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(0, tl.num_programs(1)):
+                y += tl.load(part_ptr + split * stride_split + cols, mask=col_in, other=0.0, cache_modifier=".cg")
+            _store_row(out_ptr, bias_ptr, y, cols, col_in, HAS_BIAS)
+            tl.atomic_xchg(count_ptr + tile, 0)
     else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_in, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_in)
+        _store_row(out_ptr, bias_ptr, y, cols, col_in, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "stride_split"])
@@ -220,18 +282,21 @@ class LaunchPlan:
 
 
 GEMV_MAX_ROWS = 1  # rows the CUDA-core kernel takes; more go to tensor cores
-# The CUDA-core kernel's tile: (BLOCK_N, weights of K a step, num_warps, num_stages). Narrow column
-# tiles and long K steps: 43 us for the four matmuls of a 1B layer at one row on an H100, against
-# 57 us for the tensor-core kernel's 16-row tile and 85 us for the GGUF-block kernel.
-GEMV_TILE = (64, 256, 8, 2)
+# The CUDA-core kernel's tile: (BLOCK_N, word rows a step, num_warps, num_stages); in word rows so
+# that a thread holds as many words (16) in either format: a step is 512 weights of K at 4 bits,
+# 256 at 8. Narrow column tiles and long K steps: the best of 32 tiles x split targets in two H200
+# sweeps, 34.6-36.1 us for the four matmuls of a 1B layer at one row, against 56 us for the
+# tensor-core kernel's 16-row tile (BENCHMARKS.md, session 20). Session 13's H100 choice, 64 columns
+# x 256 weights x 8 warps without loading ahead, took 41.9 us there.
+GEMV_TILE = (32, 64, 4, 2)
 
 
 def tiles(num_tokens: int, bits: int) -> tuple[str, int, int, int, int, int]:
     """(kernel, BLOCK_M, BLOCK_N, WORDS, num_warps, num_stages) for num_tokens rows."""
     per_word = 32 // bits
     if num_tokens <= GEMV_MAX_ROWS:
-        block_n, k_step, num_warps, num_stages = GEMV_TILE
-        return "gemv", 1, block_n, k_step // per_word, num_warps, num_stages
+        block_n, words, num_warps, num_stages = GEMV_TILE
+        return "gemv", 1, block_n, words, num_warps, num_stages
     if num_tokens <= 16:
         return "dot", 16, 64, 128 // per_word, 4, 3
     if num_tokens <= 64:
@@ -276,16 +341,37 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
                 num_stages=plan.num_stages)
     if plan.kernel == "gemv":
         assert m == 1, "the CUDA-core kernel takes one row"
-        gemv_kernel[(triton.cdiv(n, plan.block_n), plan.num_splits)](
-            x2, w.words, w.scales, bias_arg, dest, n, k, plan.k_per_split, n, **meta)
-    else:
-        grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.num_splits)
-        dot_kernel[grid](x2, w.words, w.scales, bias_arg, dest, m, n, k, plan.k_per_split, x2.stride(0), n, m * n,
-                         BLOCK_M=plan.block_m, **meta,
-                         # float32 is for tests: keep it exact instead of TF32 on tensor cores
-                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        tiles_n = triton.cdiv(n, plan.block_n)
+        step = plan.words * (32 // bits)
+        even = n % plan.block_n == 0 and plan.k_per_split % step == 0 and plan.k_per_split * plan.num_splits == k
+        gemv_kernel[(tiles_n, plan.num_splits)](
+            x2, w.words, w.scales, bias_arg, out, dest, split_counts(out.device, tiles_n) if partial else out,
+            n, k, plan.k_per_split, n, EVEN=even, **meta)
+        return out.view(*x.shape[:-1], n)
+    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.num_splits)
+    dot_kernel[grid](x2, w.words, w.scales, bias_arg, dest, m, n, k, plan.k_per_split, x2.stride(0), n, m * n,
+                     BLOCK_M=plan.block_m, **meta,
+                     # float32 is for tests: keep it exact instead of TF32 on tensor cores
+                     DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     triton_quant.sum_partials(out, dest, bias)
     return out.view(*x.shape[:-1], n)
+
+
+_split_counts: dict[tuple, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """gemv_kernel's arrival counts, one int32 a column tile, zero between launches (the last
+    split of each tile resets its count). One buffer per device and stream: launches on one stream
+    run one after another, so they never share a count; a CUDA graph keeps the capture stream's
+    buffer, and graphs replayed one after another (an engine's steps) share it as safely. Sized
+    at the first launches (the warm-up, before any capture) and grown, never shrunk."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counts = _split_counts.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _split_counts[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 def warmup(layers, dtype: torch.dtype, device: torch.device | str, max_num_tokens: int) -> int:

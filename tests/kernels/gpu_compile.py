@@ -135,6 +135,10 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
             packed = triton_quant_packed.pack(torch.zeros_like(blocks), fmt)
             for num_tokens in (1, 2, 3, 16, 40, 512):
                 triton_quant_packed.packed_linear(torch.empty(num_tokens, 2048, dtype=torch.bfloat16), packed)
+            # one row on part-filled tiles (the masked loop), split and whole
+            odd = triton_quant_packed.pack(torch.zeros_like(blocks[:45]), fmt)
+            triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd)
+            triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd, num_splits=1)
     triton_ops.warmup(**dict(llama_1b, max_model_len=256))
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None:

@@ -84,6 +84,40 @@ def test_split_k(packed, m, num_splits, dtype):
     check(got, x, w, bias)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_gemv_on_part_filled_tiles_over_many_steps(packed, fmt):
+    """The one-row kernel's masked loop, each step's loads issued a step ahead: 29 blocks of K are 8
+    steps of 128 weights, the last part-filled, 45 columns part-fill a tile; unsplit (every step in
+    one loop) and split 3 ways (3, 3 and 2 steps)."""
+    blocks, w = quantized_weight(fmt, 45, 29 * 32, seed=5)
+    x = torch.randn(1, 29 * 32, generator=torch.Generator().manual_seed(5))
+    p = packed.pack(blocks.to(DEVICE), fmt)
+    words = 128 // (32 // packed.FORMATS[fmt][0])
+    for num_splits in (1, 3):
+        check(packed.packed_linear(x.to(DEVICE), p, num_splits=num_splits, config=("gemv", 1, 64, words, 4, 2)),
+              x, w, None)
+
+
+def test_gemv_whole_tiles_and_splits_summed_by_the_last_to_arrive(packed):
+    """Columns filling whole tiles and splits of whole steps (the kernel's EVEN path: no masks), K
+    split 1, 2 and 4 ways: the last split of each column tile sums the partials, in split order,
+    so each launch gives the same bits, and leaves the arrival counts at 0 for the next launch."""
+    blocks, w = quantized_weight("Q4_1", 96, 16 * 32, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 16 * 32, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    p = packed.pack(blocks.to(DEVICE), "Q4_1")
+    config = ("gemv", 1, 32, 8, 4, 2)  # 64 weights a step: 8 steps, 3 column tiles
+    for num_splits in (1, 2, 4):
+        plan = packed.launch_plan(1, 96, 16 * 32, "Q4_1", 1, num_splits=num_splits, config=config)
+        assert plan.k_per_split * num_splits == 16 * 32 and plan.k_per_split % 64 == 0
+        first = packed.packed_linear(x.to(DEVICE), p, bias.to(DEVICE), num_splits=num_splits, config=config)
+        check(first, x, w, bias)
+        again = packed.packed_linear(x.to(DEVICE), p, bias.to(DEVICE), num_splits=num_splits, config=config)
+        assert torch.equal(first, again)
+        assert not packed.split_counts(first.device, 3).any()
+
+
 def test_leading_dims_strided_rows_and_empty_batches(packed):
     blocks, w = quantized_weight("Q4_1", 33, 96)
     p = packed.pack(blocks.to(DEVICE), "Q4_1")
@@ -93,11 +127,12 @@ def test_leading_dims_strided_rows_and_empty_batches(packed):
 
 
 def test_split_heuristic(packed):
-    """A decode GEMV of a 1B model's 2048 x 2048 on 132 SMs: 32 column tiles of 64, K split 8 ways
-    (one 256-weight step each) to reach 2 programs an SM; the interpreter's one SM never splits;
+    """A decode GEMV of a 1B model's 2048 x 2048 on 132 SMs: 64 column tiles of 32, K split 4 ways
+    (one 512-weight step each) to reach 2 programs an SM; the interpreter's one SM never splits;
     a prefill fills the GPU without splitting."""
     plan = packed.launch_plan(1, 2048, 2048, "Q4_1", 132)
-    assert (plan.kernel, plan.block_n, plan.num_splits, plan.k_per_split) == ("gemv", 64, 8, 256)
+    assert (plan.kernel, plan.block_n, plan.num_splits, plan.k_per_split) == ("gemv", 32, 4, 512)
+    assert packed.launch_plan(1, 2048, 2048, "Q8_0", 132).k_per_split == 512  # 2 steps of 256: as many words
     assert packed.launch_plan(1, 2048, 2048, "Q4_1", 1).num_splits == 1
     assert packed.launch_plan(1024, 2048, 2048, "Q4_1", 132).num_splits == 1
 
