@@ -10,10 +10,13 @@ from dataclasses import dataclass
 
 # A batch whose sequences bring at least this many query tokens on average is treated as prefill.
 PREFILL_MIN_AVG_QUERY = 8
-# Each split must read at least this many keys: K+V of 256 keys is 128 KiB per KV head (d=128,
-# 16-bit), while its partial result costs group * (d + 1) * 4 bytes (about 4 KiB for group 8), so the
-# extra traffic of splitting stays a few percent of the context read.
-MIN_KEYS_PER_SPLIT = 256
+# Each split must read at least this many keys: K+V of 128 keys is 64 KiB per KV head (d=128,
+# 16-bit; 32 KiB at d=64), while its partial result costs group * (d + 1) * 4 bytes (about 4 KiB for
+# group 8, 1 KiB for a 1B model's group 4 at d=64), so the extra traffic of splitting stays a few
+# percent of the context read. 128 rather than 256: a batch-1 decode step of a Llama-3.2-1B shape at
+# context 1,024 (8 splits, not 4) took 1.212 ms against 1.235 (bf16) and 1.017 against 1.102 (int4
+# weights) on an H200 (BENCHMARKS.md, session 20): there each split's keys are one 128-key tile.
+MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
 # Programs in flight per SM that a memory-bound decode needs to keep enough loads outstanding.
 PROGRAMS_PER_SM = 2
