@@ -36,7 +36,8 @@ GGUF_WEIGHTS = ("native", "dequantize")
 GGUF_ACTIVATIONS = ("int16", "int8", "float")
 # --quantization: int8 / int4 / fp8 quantize a float checkpoint at load (engine/quant/quantize.py);
 # the others are vLLM's method names for pre-quantized checkpoints (engine/quant/prequantized.py).
-QUANTIZATIONS = ("int8", "int4", "fp8", "gptq", "awq", "compressed-tensors")
+AT_LOAD_QUANTIZATIONS = ("int8", "int4", "fp8")
+QUANTIZATIONS = (*AT_LOAD_QUANTIZATIONS, "gptq", "awq", "compressed-tensors")
 QUANTIZATION_GROUP_SIZES = (32, 128)
 # The spellings vLLM, PyTorch and Hugging Face users type for the same three dtypes.
 # vLLM's "fp8" KV cache is e4m3; it also takes the explicit name.
@@ -92,6 +93,10 @@ class EngineConfig:
                                            "(detected from config.json without the flag) (default: none)")
     quantization_group_size: int = _knob(128, "--quantization int4: input channels sharing one scale and min, "
                                               "32 or 128")
+    quantize_lm_head: bool = _knob(False, "--quantization int8 / int4 / fp8: quantize the LM head too, and with tied "
+                                          "embeddings the shared embedding matrix (the lookup dequantizes its rows), "
+                                          "as llama.cpp's files do; the head is up to half of a small model's "
+                                          "quantized decode-step bytes; off: both stay at --dtype, as in vLLM")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
                                "float/fp32 = float32; auto: bfloat16 on CUDA; on CPU bfloat16 for a 16-bit or "
                                "quantized checkpoint where the CPU multiplies bf16 natively (AVX512_BF16, AMX), "
@@ -183,6 +188,10 @@ class EngineConfig:
               f"one of {QUANTIZATION_GROUP_SIZES}")
         check(self.quantization_group_size == 128 or self.quantization == "int4", "quantization_group_size",
               "left at 128 unless quantization is 'int4' (only int4 quantizes in groups here)")
+        check(not self.quantize_lm_head or self.quantization in AT_LOAD_QUANTIZATIONS, "quantize_lm_head",
+              f"False unless quantization is one of {AT_LOAD_QUANTIZATIONS}, which quantize a float checkpoint at "
+              "load (a GGUF file's head is served as stored, a pre-quantized checkpoint's as its config says): add "
+              "--quantization int4 (or int8, fp8), or drop --quantize-lm-head")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
         if self.kv_cache_memory is not None:

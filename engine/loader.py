@@ -25,6 +25,7 @@ class ModelSource:
     gguf_weights: str = "native"  # a .gguf's quantized linear weights: "native" (kept as blocks) | "dequantize"
     quantization: str | None = None  # "int8" | "int4" (at load), or the pre-quantized method read
     quantization_group_size: int = 128  # int4's inputs per group
+    quantize_lm_head: bool = False  # at load, the LM head (and a tied embedding) quantized too
     prequantized: object = None  # engine.quant.prequantized.Prequantized: the reader of a pre-quantized folder
 
     @property
@@ -40,18 +41,20 @@ def source_for(config) -> ModelSource:
     """resolve_model with an EngineConfig's settings: every process that loads a model (front end,
     data-parallel replica, worker rank, torchrun rank) opens it the same way."""
     return resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights,
-                         config.quantization, config.quantization_group_size)
+                         config.quantization, config.quantization_group_size, config.quantize_lm_head)
 
 
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
                   chat_template: str | None = None, gguf_weights: str = "native",
-                  quantization: str | None = None, quantization_group_size: int = 128) -> ModelSource:
+                  quantization: str | None = None, quantization_group_size: int = 128,
+                  quantize_lm_head: bool = False) -> ModelSource:
     """Open a model folder, a .gguf file, or (path None) the embedded default model (its .gguf).
 
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
-    file) replaces the tokenizer's own. `gguf_weights`, `quantization` (EngineConfig's): see the
-    module docstring; a `quantization` the checkpoint cannot take is a ValueError naming the flag."""
+    file) replaces the tokenizer's own. `gguf_weights`, `quantization`, `quantize_lm_head`
+    (EngineConfig's): see the module docstring; a `quantization` the checkpoint cannot take is a
+    ValueError naming the flag."""
     if path is None:
         from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
 
@@ -60,7 +63,8 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
         # folder converted from the same file.
         default = default_model_path() if quantization else default_gguf_path()
         source = resolve_model(default, tokenizer_path, chat_template, gguf_weights,
-                               quantization=quantization, quantization_group_size=quantization_group_size)
+                               quantization=quantization, quantization_group_size=quantization_group_size,
+                               quantize_lm_head=quantize_lm_head)
         source.name = DEFAULT_MODEL_NAME
         return source
     if not os.path.exists(path):
@@ -75,7 +79,7 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
         _set_chat_template(tokenizer, chat_template)
         return ModelSource(path, name, gguf.config, tokenizer, _eos_ids(tokenizer, gguf.config, None), gguf_weights,
-                           quantization, quantization_group_size)
+                           quantization, quantization_group_size, quantize_lm_head=quantize_lm_head)
     check_model_folder(path)
     from transformers import AutoConfig
 
@@ -90,7 +94,8 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
     _set_chat_template(tokenizer, chat_template)
     method = prequantized.method if prequantized is not None else quantization
     return ModelSource(path, name, hf_config, tokenizer, _eos_ids(tokenizer, hf_config, path),
-                       quantization=method, quantization_group_size=quantization_group_size, prequantized=prequantized)
+                       quantization=method, quantization_group_size=quantization_group_size,
+                       quantize_lm_head=quantize_lm_head, prequantized=prequantized)
 
 
 def stored_dtype(path: str) -> str | None:

@@ -19,9 +19,12 @@ A float checkpoint's linear weights (a safetensors folder's, or a float GGUF's) 
 load with `quantization` "int8" / "int4" / "fp8" (engine/quant/quantize.py); those of a
 safetensors folder whose config.json names a pre-quantized method (GPTQ, AWQ, compressed-tensors)
 are converted from its layout (engine/quant/prequantized.py); either way into block formats,
-served by the same kernels. Their embeddings and LM head keep float weights (as in vLLM), as do
-layers without a quantized kernel (MoE experts), with a log line naming them; a quantized
-checkpoint tensor bound for such a parameter is dequantized, with a log line.
+served by the same kernels. Their embeddings and LM head keep float weights (as in vLLM), unless
+`quantize_lm_head` quantizes at load the LM head and, with tied embeddings, the embedding matrix
+the head reads (llama.cpp's files hold them quantized; an untied embedding is only looked up, so
+it stays float). Layers without a quantized kernel (MoE experts) keep float weights too; a log
+line names what stays float, and a quantized checkpoint tensor bound for such a parameter is
+dequantized, with a log line.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def checkpoint_tensors(source: ModelSource, keep_bf16: bool = False) -> Iterable
     tensors = GGUFTensors(source.path, source.gguf_weights) if source.is_gguf else SafetensorsFolder(source.path)
     if source.quantization in AT_LOAD_METHODS:
         names = list(tensors.types) if source.is_gguf else list(tensors.files)
-        return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size)
+        return QuantizeAtLoad(tensors, names, source.quantization, source.quantization_group_size,
+                              source.quantize_lm_head)
     if keep_bf16:
         return KeepBF16(tensors)
     return tensors
@@ -82,11 +86,16 @@ def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
     return target if target in params else None
 
 
+def _is_vocabulary(target: str) -> bool:
+    """Whether parameter `target` is a vocabulary matrix: the token embedding or the LM head."""
+    return "embed_tokens" in target or target.startswith("lm_head")
+
+
 def _block_holder(modules: dict[str, torch.nn.Module], target: str, vocabulary: bool = False) -> torch.nn.Module | None:
     """The layer whose weight `target` is, when it can keep its weight as blocks (quantize_weight):
-    a linear layer, or with `vocabulary` (a GGUF file's own blocks) an embedding or LM head too
-    (quantizing a float checkpoint leaves those float, as vLLM does); None for any other parameter
-    (norms, experts, biases)."""
+    a linear layer, or with `vocabulary` (a GGUF file's own blocks, a float checkpoint's head under
+    quantize_lm_head) an embedding or LM head too (quantizing a float checkpoint leaves those float
+    by default, as vLLM does); None for any other parameter (norms, experts, biases)."""
     from engine.layers.embedding import VocabParallelEmbedding
 
     module = modules.get(target.rpartition(".")[0])
@@ -243,13 +252,13 @@ class SafetensorsFolder:
                     self.bytes_read / 2**20, stored / 2**20)
 
 
-def _float_kept(targets: set[str], what: str, why: str) -> None:
-    """Log which matrices stay float under `what`: the embeddings and LM head (as vLLM keeps them),
+def _float_kept(targets: set[str], what: str, why: str, vocabulary_why: str = "as in vLLM") -> None:
+    """Log which matrices stay float under `what`: the embeddings and LM head (`vocabulary_why`),
     and, louder, any other (`why`)."""
-    embeddings = sorted(t for t in targets if "embed_tokens" in t or t.startswith("lm_head"))
+    embeddings = sorted(t for t in targets if _is_vocabulary(t))
     others = sorted(targets - set(embeddings))
     if embeddings:
-        logger.info("%s: kept float, as in vLLM: %s", what, ", ".join(embeddings))
+        logger.info("%s: kept float, %s: %s", what, vocabulary_why, ", ".join(embeddings))
     if others:
         more = f", ... ({len(others) - 4} more)" if len(others) > 4 else ""
         logger.warning("%s: %d matrices kept float (%s): %s%s", what, len(others), why, ", ".join(others[:4]), more)
@@ -257,10 +266,13 @@ def _float_kept(targets: set[str], what: str, why: str) -> None:
 
 class QuantizeAtLoad:
     """A float checkpoint's tensors with the linear weights quantized on the way (--quantization int8 /
-    int4, engine/quant/quantize.py); choose_layers turns those layers into block-format layers first."""
+    int4 / fp8, engine/quant/quantize.py), and with `lm_head` the LM head (a tied embedding with it);
+    choose_layers turns those layers into block-format layers first."""
 
-    def __init__(self, tensors: Iterable[tuple[str, object]], names: list[str], method: str, group_size: int):
+    def __init__(self, tensors: Iterable[tuple[str, object]], names: list[str], method: str, group_size: int,
+                 lm_head: bool = False):
         self.tensors, self.names, self.method, self.group_size = tensors, names, method, group_size
+        self.lm_head = lm_head
         self.quantized: set[str] = set()
 
     def choose_layers(self, model: torch.nn.Module) -> None:
@@ -268,12 +280,15 @@ class QuantizeAtLoad:
 
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
+        # A tied embedding is the head's matrix: quantized with it. An untied one is only looked up (no
+        # matmul reads it), so it stays float.
+        tied = getattr(model, "tie_word_embeddings", False)
         layers, kept = set(), set()
         for name in self.names:
             target = _target(model, name, params)
             if target is None or params[target].dim() < 2:
                 continue
-            module = _block_holder(modules, target)
+            module = _block_holder(modules, target, self.lm_head and (tied or target.startswith("lm_head")))
             if module is None:
                 kept.add(target)
                 continue
@@ -283,10 +298,16 @@ class QuantizeAtLoad:
                 module.quantize_weight(block_format(self.method))
             layers.add(target)
             self.quantized.add(name)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # a tied LM head now reads the embedding's blocks
         what = f"--quantization {self.method}"
-        logger.info("%s: %d linear layers quantized at load: %s", what, len(layers),
+        vocabulary = sorted(t for t in layers if _is_vocabulary(t))
+        also = f" and the LM head ({'tied: ' * tied}{', '.join(vocabulary)})" if vocabulary else ""
+        logger.info("%s: %d linear layers%s quantized at load: %s", what, len(layers) - len(vocabulary), also,
                     describe(self.method, self.group_size))
-        _float_kept(kept, what, "no quantized kernel for their layers")
+        _float_kept(kept, what, "no quantized kernel for their layers",
+                    "an untied embedding is only looked up" if self.lm_head else "as in vLLM (--quantize-lm-head "
+                    "quantizes the LM head and a tied embedding)")
 
     def __iter__(self):
         from engine.quant.quantize import quantize

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, walk_parsers
@@ -131,6 +131,7 @@ def add_weight_format_flags(g) -> None:
                    help="linear layers in a GGUF file's block type: Q8_0 (8.5 bits), Q4_0 (4.5), Q4_1 (5.0), "
                         "Q4_K (4.5), Q6_K (6.5625); embeddings, LM head and norms at --dtype (the engine holds a GGUF "
                         "file's embedding and LM head blocks as stored: such a file's own size is its weights)")
+    add_engine_arg(g, "quantize_lm_head")
 
 
 def add_parser(subparsers) -> None:
@@ -331,10 +332,16 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def serving_weights(args: argparse.Namespace):
-    """The linear layers' WeightFormat from --quantization or --weight-format (None: --dtype)."""
+    """The linear layers' WeightFormat from --quantization or --weight-format (None: --dtype), with
+    --quantize-lm-head the LM head's too."""
     if args.quantization is not None and args.weight_format is not None:
         args.parser.error("argument --weight-format: give --quantization (quantized at load) or --weight-format "
                           "(a GGUF file's blocks), not both")
+    if args.quantize_lm_head:
+        if args.quantization is None:
+            args.parser.error("argument --quantize-lm-head: give --quantization int8, int4 or fp8 too (the engine "
+                              "quantizes the head at load with them), or drop --quantize-lm-head")
+        return replace(args.quantization, lm_head=True)
     return args.quantization or args.weight_format
 
 

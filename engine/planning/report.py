@@ -124,7 +124,8 @@ def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
         model_line(spec),
         "",
         rows([
-            ("weights per GPU", f"{gib(plan.weights_per_gpu)}  (linear layers in {plan.weight_format})"),
+            ("weights per GPU", f"{gib(plan.weights_per_gpu)}  (linear layers{' and LM head' * plan.quantize_lm_head} "
+                                f"in {plan.weight_format})"),
             *([("experts", EP_ROWS[plan.expert_parallel].format(
                 per=spec.num_experts // plan.ep_size, experts=spec.num_experts, ep=plan.ep_size))]
               if plan.expert_parallel != "tp" else []),

@@ -92,6 +92,7 @@ class ServePlan:
     fits: bool  # the weights and workspace leave room for at least one sequence of max_model_len
     ep_all_to_all_bytes_per_token: float = 0.0  # sent per GPU per token of a forward, vLLM's EP only
     weight_format: str = ""  # the linear layers' format: the dtype's name, or a --quantization format
+    quantize_lm_head: bool = False  # the LM head (and a tied embedding) in weight_format too
     expert_parallel: str = "tp"  # EP_LAYOUTS
     ep_size: int = 1  # GPUs the experts are spread over whole (1: none)
 
@@ -145,5 +146,6 @@ def plan_serving(
         ep_all_to_all_bytes_per_token=(moe_all_to_all_bytes(spec, 1, dtype_bytes, ep,
                                                             moe_layers=-(-len(spec.moe_layers) // pp))
                                        if layout == "vllm" else 0.0),
-        weight_format=weight_format.name if weight_format else dtype_name, expert_parallel=layout, ep_size=ep,
+        weight_format=weight_format.name if weight_format else dtype_name,
+        quantize_lm_head=weight_format is not None and weight_format.lm_head, expert_parallel=layout, ep_size=ep,
     )

@@ -35,9 +35,10 @@ class ParamTensor:
     # "moe" (one per MoE layer), "head" (last stage)
     place: str
     # How a serving engine holds it (weight_formats.py): "linear", a linear layer's weight, kept in the
-    # --quantization format when one is given; "float32", always float32 (the MoE router: engine/layers/moe.py
-    # keeps its logits' weight in float32); "dtype", the model's dtype (embeddings, LM head, norms, biases,
-    # routed experts: the engine's fused experts hold float weights).
+    # --quantization format when one is given; "head", the LM head's matrix (a tied embedding is it), in that
+    # format too with --quantize-lm-head, else the model's dtype; "float32", always float32 (the MoE router:
+    # engine/layers/moe.py keeps its logits' weight in float32); "dtype", the model's dtype (an untied
+    # embedding, norms, biases, routed experts: the engine's fused experts hold float weights).
     storage: str = "dtype"
 
 
@@ -204,7 +205,8 @@ class ModelSpec:
     def param_tensors(self) -> list[ParamTensor]:
         """Every parameter tensor, tied ones once (as `model.parameters()` yields them)."""
         h, f, norm_tensors = self.hidden_size, self.ffn_hidden_size, 1 if self.norm == "rmsnorm" else 2
-        t = [ParamTensor("embed_tokens", self.vocab_size * h, "vocab", "embed")]
+        t = [ParamTensor("embed_tokens", self.vocab_size * h, "vocab", "embed",
+                         "head" if self.tie_word_embeddings else "dtype")]
         if self.learned_positions:
             t.append(ParamTensor("embed_positions", self.max_position_embeddings * h, "none", "embed"))
         t += [ParamTensor(f"input_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
@@ -244,7 +246,7 @@ class ModelSpec:
                 t.append(ParamTensor("shared_expert_gate", h, "none", "moe"))
         t += [ParamTensor(f"final_norm.{i}", h, "none", "head") for i in range(norm_tensors)]
         if not self.tie_word_embeddings:
-            t.append(ParamTensor("lm_head", self.vocab_size * h, "vocab", "head"))
+            t.append(ParamTensor("lm_head", self.vocab_size * h, "vocab", "head", "head"))
         return t
 
     def computed_params(self) -> int:
@@ -328,7 +330,7 @@ class ModelSpec:
                      "moe": moe_count, "head": int(stage == pp - 1)}
             tensors = [(p, count[p.place]) for p in self.param_tensors()]
             if stage == pp - 1 and pp > 1 and self.tie_word_embeddings:
-                tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head"), 1))
+                tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head", "head"), 1))
             stages.append(tuple(tensors))
         return tuple(stages)
 

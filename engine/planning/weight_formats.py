@@ -7,10 +7,13 @@ whole; input columns split in whole blocks, engine/quant/formats.py). Bits per w
 block_size.
 
 Which tensors a format applies to is the engine's rule for `--quantization` (spec.ParamTensor.storage):
-linear layers' weights; embeddings, the LM head, norms and biases stay at the model's dtype (a GGUF file's
-own embedding and LM head blocks are held as stored, engine/layers/embedding.py), the MoE router in float32, and routed
-experts at the model's dtype (the engine's fused experts have no quantized path: a GGUF's expert blocks are
-dequantized at load, engine/weights.py).
+linear layers' weights, and with `--quantize-lm-head` (WeightFormat.lm_head) the LM head and a tied embedding
+(the head's matrix); an untied embedding, the LM head by default, norms and biases stay at the model's dtype
+(a GGUF file's own embedding and LM head blocks are held as stored, engine/layers/embedding.py), the MoE
+router in float32, and routed experts at the model's dtype (the engine's fused experts have no quantized path:
+a GGUF's expert blocks are dequantized at load, engine/weights.py). A tied matrix counts once, as the model's
+parameters hold it; a backend's packed copy of a tied head comes on top (oneDNN's float copy on the cpu
+backend; the triton backend's repacked int8 / int4 copy, while the embedding reads the blocks).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class WeightFormat:
     block_bytes: int  # bytes of one block, scales included
     tensor_bytes: int = 0  # per tensor on top of its blocks (fp8's per-tensor scale)
     stored_as: str = ""  # how the engine lays it out, when it is another format's blocks
+    lm_head: bool = False  # the LM head (and a tied embedding) in this format too: --quantize-lm-head
 
     @property
     def bits_per_weight(self) -> float:
@@ -98,7 +102,7 @@ gguf_type_arg = _arg(tuple(f.name for f in GGUF_FORMATS), "")
 
 def tensor_bytes(p: ParamTensor, elements: int, dtype_bytes: int, fmt: WeightFormat | None) -> int:
     """Bytes of `elements` weights of tensor `p` as the engine serves it."""
-    if p.storage == "linear" and fmt is not None:
+    if fmt is not None and (p.storage == "linear" or (p.storage == "head" and fmt.lm_head)):
         return fmt.bytes(elements)
     return elements * (4 if p.storage == "float32" else dtype_bytes)
 

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import AT_LOAD_QUANTIZATIONS as AT_LOAD_METHODS  # quantize float weights at load
 from engine.quant.formats import BLOCK_SIZE, FORMATS
 from engine.quant.fp8 import F8_E4M3, FP8_BITS_PER_WEIGHT, quantize_fp8
 from engine.quant.tensor import QuantizedTensor
-
-AT_LOAD_METHODS = ("int8", "int4", "fp8")  # the --quantization methods that quantize float weights at load
 
 INT8_BITS_PER_WEIGHT = 8 * FORMATS["Q8_0"].block_bytes / BLOCK_SIZE  # 8.5
 INT4_BITS_PER_WEIGHT = 8 * FORMATS["Q4_1"].block_bytes / BLOCK_SIZE  # 5.0

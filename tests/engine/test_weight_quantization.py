@@ -182,8 +182,11 @@ def folders(tmp_path_factory):
 
     def get(arch: str) -> str:
         if arch not in cache:
-            extra = {"llama": {}, "qwen2": dict(tie_word_embeddings=True)}[arch]  # qwen2: q/k/v biases, tied head
-            cache[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), model_type=arch, **SHAPE, **extra)
+            # qwen2: q/k/v biases, tied head; llama-tied: Llama with a tied head
+            model_type, tied = {"llama": ("llama", False), "qwen2": ("qwen2", True),
+                                "llama-tied": ("llama", True)}[arch]
+            cache[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), model_type=model_type,
+                                           tie_word_embeddings=tied, **SHAPE)
         return cache[arch]
 
     return get
@@ -213,17 +216,28 @@ def hf_tokens(path: str) -> list[list[int]]:
     return [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
 
 
+def dequantized_copy(folder: str, dst, method: str, g: int, also: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """(the reference blocks by checkpoint name, a float copy of `folder` holding their dequantized
+    values): every linear layer's weight, and the tensors named in `also` (the LM head's matrix).
+    fp8's reference is the engine's quantizer (checked byte for byte in test_fp8_weights.py)."""
+    ref, dequantized = {}, {}
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        if not ((name.split(".")[-2] in LINEARS and name.endswith(".weight")) or name in also):
+            continue
+        if method == "fp8":
+            blocks = quantize(w, "fp8")
+            ref[name], dequantized[name] = blocks.blocks.numpy(), blocks.dequantize()
+        else:
+            ref[name], kind = reference_blocks(w.numpy(), method, g)
+            dequantized[name] = torch.from_numpy(gguf_dequantize(ref[name], kind))
+    return ref, write_float_folder(folder, dst, dequantized)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("method,g", METHODS)
 def test_engine_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, folders, arch, method, g):
     folder = folders(arch)
-    float_weights = load_file(os.path.join(folder, "model.safetensors"))
-    ref, dequantized = {}, {}
-    for name, w in float_weights.items():
-        if name.split(".")[-2] in LINEARS and name.endswith(".weight"):
-            ref[name], kind = reference_blocks(w.numpy(), method, g)
-            dequantized[name] = torch.from_numpy(gguf_dequantize(ref[name], kind))
-    oracle = write_float_folder(folder, tmp_path / "dequantized", dequantized)
+    ref, oracle = dequantized_copy(folder, tmp_path / "dequantized", method, g)
     want = hf_tokens(oracle)
 
     # The loaded layers hold the reference's bytes (q, k, v fused, gate and up fused).
@@ -238,6 +252,43 @@ def test_engine_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, f
 
     for backend in ("cpu", "torch"):  # C++ block kernels; dequantize + F.linear
         assert greedy(folder, quantization=method, quantization_group_size=g, attention_backend=backend) == want
+
+
+@pytest.mark.parametrize("arch,method,backends", [
+    ("llama-tied", "int4", ("cpu", "torch")),  # C++ block kernels; dequantize + F.linear (and the lookup's rows)
+    ("llama", "int4", ("cpu", "torch")),
+    ("llama-tied", "fp8", ("torch",)),  # the cpu backend has no fp8 matmul
+])
+def test_quantize_lm_head_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, folders, caplog, arch,
+                                                                               method, backends):
+    """--quantize-lm-head: the LM head's matrix as blocks too. Tied, that is the embedding's: one
+    matrix of blocks, which the lookup reads as dequantized rows; untied, the embedding (only looked
+    up) stays float. The oracle: transformers on a copy holding the dequantized values of every
+    quantized matrix, the head's included."""
+    if method == "fp8" and getattr(torch, "float8_e4m3fn", None) is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    folder, tied = folders(arch), arch.endswith("-tied")
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    ref, oracle = dequantized_copy(folder, tmp_path / "dequantized", method, 128, also=(head,))
+    want = hf_tokens(oracle)
+
+    with caplog.at_level(logging.INFO, logger="engine.weights"):
+        model = loaded_model(folder, quantization=method, quantize_lm_head=True)
+    kind = {"int4": "Q4_1", "fp8": "F8_E4M3"}[method]
+    assert model.lm_head.quant_format.name == kind
+    assert np.array_equal(model.lm_head.weight.numpy(), ref[head])
+    embed = model.model.embed_tokens
+    if tied:
+        assert embed.weight is model.lm_head.weight and embed.quant_format.name == kind
+        assert "8 linear layers and the LM head (tied: model.embed_tokens.weight) quantized at load" in caplog.text
+        assert "kept float" not in caplog.text
+    else:
+        assert embed.quant_format is None and embed.weight.dtype == torch.float32
+        assert "8 linear layers and the LM head (lm_head.weight) quantized at load" in caplog.text
+        assert "kept float, an untied embedding is only looked up: model.embed_tokens.weight" in caplog.text
+
+    for backend in backends:
+        assert greedy(folder, quantization=method, quantize_lm_head=True, attention_backend=backend) == want
 
 
 def test_bf16_checkpoint_and_the_start_up_log(tmp_path, folders, caplog):
@@ -257,6 +308,8 @@ def test_bf16_checkpoint_and_the_start_up_log(tmp_path, folders, caplog):
     assert "--quantization int8: 8 linear layers quantized at load" in caplog.text
     assert "8.5 bits per weight stored" in caplog.text
     assert "weights resident:" in caplog.text and "8 matrices Q8_0" in caplog.text
+    assert "kept float, as in vLLM (--quantize-lm-head quantizes the LM head and a tied embedding): " \
+           "lm_head.weight, model.embed_tokens.weight" in caplog.text
 
 
 def test_float_gguf_quantizes_at_load(tmp_path, folders):
@@ -281,6 +334,8 @@ def test_cli_flags_reach_the_config():
     config = engine_config_from_args(parser.parse_args(["--quantization", "int4", "--quantization-group-size", "32"]))
     assert (config.quantization, config.quantization_group_size) == ("int4", 32)
     assert engine_config_from_args(parser.parse_args([])).quantization is None
+    assert engine_config_from_args(parser.parse_args(["--quantization", "int8", "--quantize-lm-head"])).quantize_lm_head
+    assert not engine_config_from_args(parser.parse_args([])).quantize_lm_head
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
     with pytest.raises(SystemExit):
@@ -293,6 +348,9 @@ def test_cli_flags_reach_the_config():
     (dict(quantization="int3"), "quantization must be None or one of"),
     (dict(quantization="int4", quantization_group_size=64), "quantization_group_size must be one of"),
     (dict(quantization="int8", quantization_group_size=32), "quantization_group_size must be left at 128"),
+    (dict(quantize_lm_head=True), r"quantize_lm_head must be False unless quantization is one of \('int8', 'int4', "
+                                  r"'fp8'\).*add --quantization int4 .*or drop --quantize-lm-head, got True"),
+    (dict(quantization="gptq", quantize_lm_head=True), "quantize_lm_head must be False unless quantization is"),
 ])
 def test_bad_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

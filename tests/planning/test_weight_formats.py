@@ -114,17 +114,35 @@ def test_plan_serve_weights_equal_the_gguf_files_tensor_bytes(capsys, tmp_path, 
         assert engine_resident_bytes(str(path)) == file_bytes
 
 
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("wide-tied"), model_type="llama", hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                            tie_word_embeddings=True)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
-def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, tiny, method):
+@pytest.mark.parametrize("tied,lm_head", [(False, False), (False, True), (True, True)])
+def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, request, method, tied, lm_head):
+    """--quantize-lm-head: the head's matrix (a tied embedding) in the format too; an untied embedding stays float."""
     from engine.loader import resolve_model
 
     if "quantization" not in inspect.signature(resolve_model).parameters:
         pytest.skip("this engine has no --quantization yet")
-    out = serve_json(capsys, "--model", tiny, "--dtype", "float32", "--quantization", method, "--kv-cache-memory",
-                     "64MiB")
-    float32 = serve_json(capsys, "--model", tiny, "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    folder = request.getfixturevalue("tiny_tied" if tied else "tiny")
+    head = ["--quantize-lm-head"] * lm_head
+    out = serve_json(capsys, "--model", folder, "--dtype", "float32", "--quantization", method, *head,
+                     "--kv-cache-memory", "64MiB")
+    float32 = serve_json(capsys, "--model", folder, "--dtype", "float32", "--kv-cache-memory", "64MiB")
     assert out["weights_per_gpu"] < float32["weights_per_gpu"]
-    assert engine_resident_bytes(tiny, quantization=method) == out["weights_per_gpu"]
+    assert out["quantize_lm_head"] == lm_head
+    assert engine_resident_bytes(folder, quantization=method, quantize_lm_head=lm_head) == out["weights_per_gpu"]
+    if lm_head:  # the head alone left the dtype: 4 bytes a weight became the format's
+        spec = ModelSpec.from_hf_config(folder)
+        vocab = spec.vocab_size * spec.hidden_size
+        without = serve_json(capsys, "--model", folder, "--dtype", "float32", "--quantization", method,
+                             "--kv-cache-memory", "64MiB")
+        assert without["weights_per_gpu"] - out["weights_per_gpu"] == 4 * vocab - FORMATS[method].bytes(vocab)
 
 
 def test_quantized_llama_2_7b_weights_and_their_decode_step():
@@ -158,6 +176,8 @@ def test_router_is_float32_whatever_the_dtype(capsys):
     (["--weight-format", "Q5_K"], "--weight-format", "Q4_K"),
     (["--quantization", "int4", "--slo", "--gpu", "cpu", "--request-rate", "1", "--ttft-ms", "100", "--tpot-ms", "100",
       "--kv-cache-memory", "1GiB"], "--quantization", "float weights"),
+    (["--quantize-lm-head"], "--quantize-lm-head", "give --quantization int8, int4 or fp8 too"),
+    (["--weight-format", "Q4_0", "--quantize-lm-head"], "--quantize-lm-head", "give --quantization"),
 ])
 def test_weight_format_errors_name_the_flag(argv, flag, says):
     done = plan_process("serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", *argv)
@@ -178,3 +198,6 @@ def test_slo_plan_with_int4_weights_prints_the_engine_flag(capsys):
 
     if "int4" in getattr(engine.config, "QUANTIZATIONS", ()):
         assert "--quantization int4" in int4["command"]
+    head = serve_json(capsys, *argv, "--quantization", "int4", "--quantize-lm-head")
+    assert head["kv_budget_bytes"] > int4["kv_budget_bytes"]  # the 2.1 GB bf16 head at 5 bits a weight
+    assert "--quantization int4 --quantize-lm-head" in head["command"]
