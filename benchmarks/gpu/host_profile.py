@@ -1,7 +1,8 @@
 """Where a graph-replayed decode step spends its host time, and what weight-only quantization buys
 at batch 1 (a probe for one GPU lease; its output is the record).
 
-    python benchmarks/gpu/host_profile.py --model DIR [--quantizations int4,int8] [--steps 200] [--packed-tiles F]
+    python benchmarks/gpu/host_profile.py --model DIR [--quantizations int4,int8,int4+head] [--steps 200]
+        [--packed-tiles F] [--set MODULE.NAME=JSON]
 
 For each configuration (bf16, then each --quantizations kind): an engine built as
 engine.bench.decode_anatomy builds it, B requests prefilled, then timed decode steps (median ms,
@@ -20,6 +21,8 @@ import json
 import pstats
 import statistics
 import time
+
+import probe_args  # benchmarks/gpu, beside this script
 
 
 class Phases:
@@ -47,7 +50,7 @@ def measure(model: str, batch: int, context: int, steps: int, quantization: str 
 
     from engine.bench.decode_anatomy import build_engine, start_decoding
 
-    extra = {"quantization": quantization} if quantization else {}
+    extra = probe_args.engine_kwargs(quantization)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = build_engine(model, batch, context, steps * 3 + 64, dtype, False, **extra)
     core = llm.engine
@@ -121,16 +124,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--quantizations", default="int4,int8")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--packed-tiles", help="JSON of kernels.triton_quant_packed constants to set first "
-                                          "(packed_bench.py --best-json: its sweep's choice)")
+    probe_args.add_arguments(p)
     args = p.parse_args()
-    if args.packed_tiles:
-        from kernels import triton_quant_packed
-
-        with open(args.packed_tiles) as f:
-            for name, value in json.load(f).items():
-                setattr(triton_quant_packed, name, tuple(value) if isinstance(value, list) else value)
-        print(f"packed tiles: {args.packed_tiles}", flush=True)
+    probe_args.apply_arguments(args)
     rows = []
     kinds = [None] + [q for q in args.quantizations.split(",") if q]
     for i, q in enumerate(kinds):

@@ -14,6 +14,8 @@ import argparse
 import json
 import time
 
+import probe_args  # benchmarks/gpu, beside this script
+
 
 def profile(model: str, batch: int, context: int, steps: int, quantization: str | None) -> dict:
     import torch
@@ -28,7 +30,7 @@ def profile(model: str, batch: int, context: int, steps: int, quantization: str 
         if on_cuda:
             torch.cuda.synchronize()
 
-    extra = {"quantization": quantization} if quantization else {}
+    extra = probe_args.engine_kwargs(quantization)
     llm = build_engine(model, batch, context, steps * 2 + 64, "bfloat16" if on_cuda else "float32", False, **extra)
     core = llm.engine
     ids = start_decoding(core, batch, context, steps * 2 + 32)
@@ -60,7 +62,9 @@ def main() -> int:
     p.add_argument("--quantizations", default="int4")
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--output-json", default=None)
+    probe_args.add_arguments(p)
     args = p.parse_args()
+    probe_args.apply_arguments(args)
     rows = []
     for q in [None] + [q for q in args.quantizations.split(",") if q]:
         try:

@@ -51,30 +51,33 @@ def copies(nbytes: int) -> int:
 
 
 def sweep(tqp, shapes_packed, num_sms: int) -> tuple[dict, list]:
-    """Every CUDA-core tile x K-split target at one row, timed on each shape; the tile with the least
-    total time over the shapes (a layer's four matmuls), against the tensor-core kernel's 16-row tile."""
+    """Every CUDA-core tile (columns, word rows a step, warps) x K-split target at one row, timed on
+    each shape; the tile with the least total time over the shapes (a layer's four matmuls), against the
+    tensor-core kernel's 16-row tile."""
     totals = []
-    for bn in (64, 128, 256):
-        for k_step in (64, 128, 256):
+    for bn in (32, 64):
+        for words in (32, 64):
             for warps in (4, 8):
-                for per_sm in (2, 4, 8):
+                for per_sm in (1, 2, 4, 8):
                     tqp.PROGRAMS_PER_SM = per_sm
-                    cfg = ("gemv", 1, bn, k_step // 8, warps, 2)
+                    cfg = ("gemv", 1, bn, words, warps, 2)
                     try:
-                        total = sum(graph_time_us([lambda q=q, x=x: tqp.packed_linear(x, q, config=cfg) for q in qs],
-                                                  replays=10) for x, qs in shapes_packed)
+                        each = [graph_time_us([lambda q=q, x=x: tqp.packed_linear(x, q, config=cfg) for q in qs],
+                                              replays=10) for x, qs in shapes_packed]
                     except Exception as e:  # noqa: BLE001 (a tile that does not compile: skipped, said)
-                        print(f"  gemv {bn}x{k_step} w{warps}: {type(e).__name__}", flush=True)
+                        print(f"  gemv {bn}x{words}w w{warps}: {type(e).__name__}", flush=True)
                         break
-                    totals.append((total, dict(GEMV_TILE=[bn, k_step, warps, 2], PROGRAMS_PER_SM=per_sm)))
+                    totals.append((sum(each), dict(GEMV_TILE=[bn, words, warps, 2], PROGRAMS_PER_SM=per_sm), each))
     tqp.PROGRAMS_PER_SM = 4
     dot = sum(graph_time_us([lambda q=q, x=x: tqp.packed_linear(x, q, config=("dot", 16, 64, 16, 4, 3)) for q in qs],
                             replays=10) for x, qs in shapes_packed)
     totals.sort(key=lambda t: t[0])
-    print("sweep Q4_1 one row, a layer's 4 matmuls (us): dot " + f"{dot:.1f}; gemv best "
-          + ", ".join(f"{t:.1f} {c['GEMV_TILE'][:3]}/{c['PROGRAMS_PER_SM']}" for t, c in totals[:8]), flush=True)
+    print(f"sweep Q4_1 one row, a layer's 4 matmuls (us): dot {dot:.1f}; gemv best:", flush=True)
+    for t, c, each in totals[:10]:
+        print(f"  {t:6.1f} {c['GEMV_TILE'][:3]} per SM {c['PROGRAMS_PER_SM']}: " + " ".join(f"{e:.1f}" for e in each),
+              flush=True)
     best = dict(totals[0][1], GEMV_MAX_ROWS=1) if totals and totals[0][0] < dot else dict(GEMV_MAX_ROWS=0)
-    return best, [(t, c) for t, c in totals]
+    return best, [(t, c, each) for t, c, each in totals]
 
 
 def main() -> None:
