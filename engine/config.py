@@ -94,9 +94,10 @@ class EngineConfig:
     quantization_group_size: int = _knob(128, "--quantization int4: input channels sharing one scale and min, "
                                               "32 or 128")
     quantize_lm_head: bool = _knob(False, "--quantization int8 / int4 / fp8: quantize the LM head too, and with tied "
-                                          "embeddings the shared embedding matrix (the lookup dequantizes its rows), "
-                                          "as llama.cpp's files do; the head is up to half of a small model's "
-                                          "quantized decode-step bytes; off: both stay at --dtype, as in vLLM")
+                                          "embeddings the shared embedding matrix (the lookup dequantizes its rows): "
+                                          "8-bit Q8_0 under int8 and int4, as llama.cpp's Q4 files keep it, fp8 "
+                                          "under fp8; the head is up to half of a small model's quantized "
+                                          "decode-step bytes; off: both stay at --dtype, as in vLLM")
     dtype: str = _knob("auto", "weights and activations; half/fp16 = float16, bf16 = bfloat16, "
                                "float/fp32 = float32; auto: bfloat16 on CUDA; on CPU bfloat16 for a 16-bit or "
                                "quantized checkpoint where the CPU multiplies bf16 natively (AVX512_BF16, AMX), "

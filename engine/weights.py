@@ -21,10 +21,11 @@ safetensors folder whose config.json names a pre-quantized method (GPTQ, AWQ, co
 are converted from its layout (engine/quant/prequantized.py); either way into block formats,
 served by the same kernels. Their embeddings and LM head keep float weights (as in vLLM), unless
 `quantize_lm_head` quantizes at load the LM head and, with tied embeddings, the embedding matrix
-the head reads (llama.cpp's files hold them quantized; an untied embedding is only looked up, so
-it stays float). Layers without a quantized kernel (MoE experts) keep float weights too; a log
-line names what stays float, and a quantized checkpoint tensor bound for such a parameter is
-dequantized, with a log line.
+the head reads, at 8 bits under int8 and int4 (GGUF's Q8_0, as llama.cpp's Q4 files hold them:
+quantize.LM_HEAD_FORMATS; an untied embedding is only looked up, so it stays float). Layers
+without a quantized kernel (MoE experts) keep float weights too; a log line names what stays
+float, and a quantized checkpoint tensor bound for such a parameter is dequantized, with a log
+line.
 """
 
 from __future__ import annotations
@@ -266,17 +267,19 @@ def _float_kept(targets: set[str], what: str, why: str, vocabulary_why: str = "a
 
 class QuantizeAtLoad:
     """A float checkpoint's tensors with the linear weights quantized on the way (--quantization int8 /
-    int4 / fp8, engine/quant/quantize.py), and with `lm_head` the LM head (a tied embedding with it);
-    choose_layers turns those layers into block-format layers first."""
+    int4 / fp8, engine/quant/quantize.py), and with `lm_head` the LM head (a tied embedding with it)
+    in quantize.lm_head_format; choose_layers turns those layers into block-format layers first."""
 
     def __init__(self, tensors: Iterable[tuple[str, object]], names: list[str], method: str, group_size: int,
                  lm_head: bool = False):
         self.tensors, self.names, self.method, self.group_size = tensors, names, method, group_size
         self.lm_head = lm_head
-        self.quantized: set[str] = set()
+        self.quantized: set[str] = set()  # checkpoint names quantized on the way
+        self.vocabulary: set[str] = set()  # of those, the LM head's matrix (quantize_lm_head's format)
 
     def choose_layers(self, model: torch.nn.Module) -> None:
-        from engine.quant.quantize import block_format, check_quantizable, describe
+        from engine.quant.formats import BLOCK_SIZE
+        from engine.quant.quantize import block_format, check_quantizable, describe, lm_head_format
 
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
@@ -292,7 +295,12 @@ class QuantizeAtLoad:
             if module is None:
                 kept.add(target)
                 continue
-            if module.quant_format is None:
+            if module.quant_format is None and _is_vocabulary(target):
+                check_quantizable(module.weight.shape[1], "fp8" if self.method == "fp8" else "int8", BLOCK_SIZE,
+                                  target)
+                module.quantize_weight(lm_head_format(self.method))
+                self.vocabulary.add(name)
+            elif module.quant_format is None:
                 # Per rank, as vLLM asks of pre-quantized groups: no group straddles two ranks.
                 check_quantizable(module.weight.shape[1], self.method, self.group_size, target)
                 module.quantize_weight(block_format(self.method))
@@ -302,7 +310,8 @@ class QuantizeAtLoad:
             model.tie_weights()  # a tied LM head now reads the embedding's blocks
         what = f"--quantization {self.method}"
         vocabulary = sorted(t for t in layers if _is_vocabulary(t))
-        also = f" and the LM head ({'tied: ' * tied}{', '.join(vocabulary)})" if vocabulary else ""
+        also = (f" and the LM head ({'tied: ' * tied}{', '.join(vocabulary)}, as "
+                f"{lm_head_format(self.method).name})" if vocabulary else "")
         logger.info("%s: %d linear layers%s quantized at load: %s", what, len(layers) - len(vocabulary), also,
                     describe(self.method, self.group_size))
         _float_kept(kept, what, "no quantized kernel for their layers",
@@ -310,12 +319,14 @@ class QuantizeAtLoad:
                     "quantizes the LM head and a tied embedding)")
 
     def __iter__(self):
-        from engine.quant.quantize import quantize
+        from engine.quant.quantize import quantize, quantize_lm_head
 
         for name, tensor in self.tensors:
             if name in self.quantized and isinstance(tensor, SafetensorsSlice):
                 tensor = tensor.read()  # quantized whole; each rank's loader slices the blocks
-            if name in self.quantized and isinstance(tensor, torch.Tensor):
+            if name in self.vocabulary and isinstance(tensor, torch.Tensor):
+                tensor = quantize_lm_head(tensor, self.method)
+            elif name in self.quantized and isinstance(tensor, torch.Tensor):
                 tensor = quantize(tensor, self.method, self.group_size)
             yield name, tensor
 

@@ -6,9 +6,10 @@ plain technical sentences) is tokenized once, cut into non-overlapping windows o
 and each window scored by the engine in one prefill: prompt_logprobs gives log p(token | its prefix)
 for every token after the window's first. Perplexity = exp(-(sum of those) / their count).
 
-python benchmarks/quant/perplexity.py [--model FOLDER] [--configs none,int8,int4:128,int4:32] \
+python benchmarks/quant/perplexity.py [--model FOLDER] [--configs none,int8,int4:128,int4:32,int4:32+head] \
     [--dtype float32] --out benchmarks/quant/perplexity-default.json
-(default model: the embedded SmolLM2-135M-Instruct, its float32 safetensors folder)
+(default model: the embedded SmolLM2-135M-Instruct, its float32 safetensors folder; `+head`: with
+--quantize-lm-head, its tied embedding quantized too)
 
 Configs `gguf-float`, `gguf-int16` and `gguf-int8` read the embedded model's own GGUF file (its
 blocks as stored) instead of the folder, with that EngineConfig.cpu_gguf_activations, scored in
@@ -40,8 +41,9 @@ def engine_source(spec: str, model: str) -> tuple[str, dict]:
     """The model path and the engine settings of a --configs entry."""
     if spec.startswith("gguf-"):
         return default_gguf_path(), {"cpu_gguf_activations": spec[5:], "max_num_batched_tokens": 16}
+    spec, head = spec.removesuffix("+head"), spec.endswith("+head")
     quantization, group = parse_config(spec)
-    return model, {"quantization": quantization, "quantization_group_size": group}
+    return model, {"quantization": quantization, "quantization_group_size": group, "quantize_lm_head": head}
 
 
 def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:

@@ -7,6 +7,7 @@ from engine.planning.serving import ServePlan
 from engine.planning.spec import ModelSpec
 from engine.planning.training import TrainPlan
 from engine.planning.units import GiB
+from engine.planning.weight_formats import FORMATS
 
 
 def gib(nbytes: float) -> str:
@@ -124,8 +125,9 @@ def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
         model_line(spec),
         "",
         rows([
-            ("weights per GPU", f"{gib(plan.weights_per_gpu)}  (linear layers{' and LM head' * plan.quantize_lm_head} "
-                                f"in {plan.weight_format})"),
+            ("weights per GPU", f"{gib(plan.weights_per_gpu)}  (linear layers in {plan.weight_format}"
+                                + (f", LM head in {FORMATS[plan.weight_format].head_as}" if plan.quantize_lm_head
+                                   else "") + ")"),
             *([("experts", EP_ROWS[plan.expert_parallel].format(
                 per=spec.num_experts // plan.ep_size, experts=spec.num_experts, ep=plan.ep_size))]
               if plan.expert_parallel != "tp" else []),

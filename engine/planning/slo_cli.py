@@ -130,8 +130,9 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         f"{spec.name} on {dev.name}: {args.request_rate:g} requests/s of {load.prompt:g} prompt / {load.output:g} "
         f"output tokens; targets TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms",
         f"layout          {plan.replicas} replica(s) x TP {plan.tp} = {plan.gpus} GPU(s)",
-        *([f"weights         linear layers{' and LM head' * args.weights.lm_head} in {args.weights.name} "
-            f"({args.weights.bits_per_weight:g} bits a weight, scales included)"] if args.weights else []),
+        *([f"weights         linear layers in {args.weights.name} ({args.weights.bits_per_weight:g} bits a weight, "
+            "scales included)" + (f", LM head in {args.weights.head_as}" if args.weights.lm_head else "")]
+          if args.weights else []),
         f"max_num_seqs    {plan.max_num_seqs} (running per replica predicted: {p.concurrency:,.1f})",
         f"KV budget       {plan.kv_budget_bytes / GiB:,.2f} GiB per GPU = {plan.kv_capacity_tokens:,} tokens",
         f"predicted       TTFT {p.ttft * 1e3:,.1f} ms, TPOT {p.tpot * 1e3:,.2f} ms, {p.throughput:,.1f} output tok/s",

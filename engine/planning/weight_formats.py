@@ -6,14 +6,15 @@ n / block_size x block_bytes bytes, and a tensor-parallel shard the same rule on
 whole; input columns split in whole blocks, engine/quant/formats.py). Bits per weight = 8 x block_bytes /
 block_size.
 
-Which tensors a format applies to is the engine's rule for `--quantization` (spec.ParamTensor.storage):
-linear layers' weights, and with `--quantize-lm-head` (WeightFormat.lm_head) the LM head and a tied embedding
-(the head's matrix); an untied embedding, the LM head by default, norms and biases stay at the model's dtype
-(a GGUF file's own embedding and LM head blocks are held as stored, engine/layers/embedding.py), the MoE
-router in float32, and routed experts at the model's dtype (the engine's fused experts have no quantized path:
-a GGUF's expert blocks are dequantized at load, engine/weights.py). A tied matrix counts once, as the model's
-parameters hold it; a backend's packed copy of a tied head comes on top (oneDNN's float copy on the cpu
-backend; the triton backend's repacked int8 / int4 copy, while the embedding reads the blocks).
+Which tensors a format applies to is the engine's rule for `--quantization` (spec.ParamTensor.storage): linear
+layers' weights, and with `--quantize-lm-head` (WeightFormat.lm_head) the LM head and a tied embedding (the
+head's matrix) in WeightFormat.head_as; an untied embedding, the LM head by default, norms and biases stay at
+the model's dtype (a GGUF file's own embedding and LM head blocks are held as stored,
+engine/layers/embedding.py), the MoE router in float32, and routed experts at the model's dtype (the engine's
+fused experts have no quantized path: a GGUF's expert blocks are dequantized at load, engine/weights.py). A
+tied matrix counts once, as the model's parameters hold it; a backend's packed copy of a tied head comes on
+top (oneDNN's float copy on the cpu backend; the triton backend's repacked int8 / int4 copy, while the
+embedding reads the blocks).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class WeightFormat:
     block_bytes: int  # bytes of one block, scales included
     tensor_bytes: int = 0  # per tensor on top of its blocks (fp8's per-tensor scale)
     stored_as: str = ""  # how the engine lays it out, when it is another format's blocks
-    lm_head: bool = False  # the LM head (and a tied embedding) in this format too: --quantize-lm-head
+    lm_head: bool = False  # --quantize-lm-head: the LM head (and a tied embedding) quantized too, as head_as
+    head_as: str = ""  # the format --quantize-lm-head keeps the head in (engine/quant/quantize.py LM_HEAD_FORMATS)
 
     @property
     def bits_per_weight(self) -> float:
@@ -64,9 +66,9 @@ _GGUF = {f.name: f for f in GGUF_FORMATS}
 # tensor's float32 scale repeated in each, 9 bits a weight, where vLLM's Fp8LinearMethod keeps one byte a weight
 # and one float32 per tensor (vllm/model_executor/layers/quantization/fp8.py: PerTensorScaleParameter), 8 bits.
 ENGINE_FORMATS = (
-    WeightFormat("int8", 32, 34, stored_as="Q8_0"),
-    WeightFormat("int4", 32, 20, stored_as="Q4_1"),
-    WeightFormat("fp8", 32, 36),
+    WeightFormat("int8", 32, 34, stored_as="Q8_0", head_as="Q8_0"),
+    WeightFormat("int4", 32, 20, stored_as="Q4_1", head_as="Q8_0"),  # an 8-bit head, as llama.cpp's Q4 files
+    WeightFormat("fp8", 32, 36, head_as="fp8"),
 )
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (*ENGINE_FORMATS, *GGUF_FORMATS)}
 assert all(_GGUF[f.stored_as].block_bytes == f.block_bytes for f in ENGINE_FORMATS if f.stored_as)
@@ -102,8 +104,10 @@ gguf_type_arg = _arg(tuple(f.name for f in GGUF_FORMATS), "")
 
 def tensor_bytes(p: ParamTensor, elements: int, dtype_bytes: int, fmt: WeightFormat | None) -> int:
     """Bytes of `elements` weights of tensor `p` as the engine serves it."""
-    if fmt is not None and (p.storage == "linear" or (p.storage == "head" and fmt.lm_head)):
+    if fmt is not None and p.storage == "linear":
         return fmt.bytes(elements)
+    if fmt is not None and p.storage == "head" and fmt.lm_head:
+        return FORMATS[fmt.head_as].bytes(elements)
     return elements * (4 if p.storage == "float32" else dtype_bytes)
 
 

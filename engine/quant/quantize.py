@@ -132,6 +132,43 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
     return QuantizedTensor(torch.cat(out), FORMATS["Q4_1"])
 
 
+def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
+    """GGUF's own Q8_0 (a scale per 32 weights), as llama.cpp's quantizer and gguf-py's compute it: in
+    float32, d = amax(|block|) / 127, q = w * (1 / d) rounded half away from zero, d stored as fp16.
+    Byte for byte gguf.quants.quantize's (tests/engine/test_weight_quantization.py)."""
+    n, k = w.shape
+    out = []
+    step = max(1, _CHUNK // max(1, k))
+    for start in range(0, n, step):
+        x = w[start:start + step].to(torch.float32).reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE)
+        d = x.abs().amax(dim=2, keepdim=True) / 127
+        v = x * torch.where(d == 0, 0.0, 1 / d)
+        a = v.abs()
+        whole = a.floor()
+        q = torch.sign(v) * (whole + (2 * (a - whole)).floor())  # roundf: half away from zero
+        out.append(pack_q8_0(d.squeeze(2), q.reshape(x.shape[0], k).to(torch.int8)))
+    return QuantizedTensor(torch.cat(out), FORMATS["Q8_0"])
+
+
+# --quantize-lm-head: the format the LM head (and a tied embedding) is kept in under each method.
+# int8 and int4 keep it at 8 bits with a scale per 32 weights, GGUF's Q8_0, as llama.cpp's Q4 files
+# do (the default model's Q4_1 file holds its tied embedding as Q8_0): the head of a small model
+# loses more to 4 bits than its layers do (the default model's perplexity: +9.8% with a Q4_1 head,
+# +0.2% with Q8_0; BENCHMARKS.md, session 20). fp8 keeps it as its layers.
+LM_HEAD_FORMATS = {"int8": "Q8_0", "int4": "Q8_0", "fp8": "F8_E4M3"}
+
+
+def lm_head_format(method: str):
+    """The block format `method` with --quantize-lm-head keeps the LM head in."""
+    return F8_E4M3 if LM_HEAD_FORMATS[method] == "F8_E4M3" else FORMATS[LM_HEAD_FORMATS[method]]
+
+
+def quantize_lm_head(w: torch.Tensor, method: str) -> QuantizedTensor:
+    """The LM head's (or a tied embedding's) float [vocabulary, hidden] matrix in lm_head_format(method)."""
+    check_quantizable(w.shape[1], "fp8" if method == "fp8" else "int8", BLOCK_SIZE, "the LM head")
+    return quantize_fp8(w) if method == "fp8" else quantize_q8_0(w)
+
+
 def quantize(w: torch.Tensor, method: str, group_size: int = 128) -> QuantizedTensor:
     """`method` "int8", "int4" or "fp8" (EngineConfig.quantization) of a float [out, in] weight."""
     if method == "int8":

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, EngineConfig
@@ -145,6 +146,22 @@ def test_int8_blocks_are_the_reference_bytes_within_the_stated_bound():
     assert (err[normal] <= d.astype(np.float64)[normal][:, None] / 2 * (1 + 1e-6)).all()  # d / 2 where fp16 is normal
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lm_head_q8_0_blocks_are_llama_cpps(dtype):
+    """--quantize-lm-head under int8 / int4: GGUF's own Q8_0 (a scale per 32 weights, round half away
+    from zero), byte for byte gguf-py's quantizer on the hard rows (a zero row, ties, tiny and large
+    scales), as the weights' dtype gives them; 3,000 rows: quantized in more than one chunk."""
+    from engine.quant.quantize import lm_head_format, quantize_lm_head
+
+    w = np.concatenate([_hard_matrix(np.random.default_rng(1), rows=24, k=4096),
+                        np.random.default_rng(2).standard_normal((2976, 4096)).astype(np.float32)])
+    w = torch.from_numpy(w).to(dtype)
+    for method in ("int8", "int4"):
+        qt = quantize_lm_head(w, method)
+        assert qt.format.name == lm_head_format(method).name == "Q8_0"
+        assert np.array_equal(qt.blocks.numpy(), gguf_quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0))
+
+
 @pytest.mark.parametrize("g", [32, 128])
 def test_int4_blocks_are_the_reference_bytes_within_the_stated_bound(g):
     w = _hard_matrix(np.random.default_rng(1))
@@ -228,7 +245,10 @@ def dequantized_copy(folder: str, dst, method: str, g: int, also: tuple[str, ...
             blocks = quantize(w, "fp8")
             ref[name], dequantized[name] = blocks.blocks.numpy(), blocks.dequantize()
         else:
-            ref[name], kind = reference_blocks(w.numpy(), method, g)
+            if name in also:  # the head at 8 bits, GGUF's own Q8_0: gguf-py's quantizer is the reference
+                ref[name], kind = gguf_quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0), "Q8_0"
+            else:
+                ref[name], kind = reference_blocks(w.numpy(), method, g)
             dequantized[name] = torch.from_numpy(gguf_dequantize(ref[name], kind))
     return ref, write_float_folder(folder, dst, dequantized)
 
@@ -274,17 +294,18 @@ def test_quantize_lm_head_tokens_equal_transformers_on_the_dequantized_weights(t
 
     with caplog.at_level(logging.INFO, logger="engine.weights"):
         model = loaded_model(folder, quantization=method, quantize_lm_head=True)
-    kind = {"int4": "Q4_1", "fp8": "F8_E4M3"}[method]
+    kind = {"int4": "Q8_0", "fp8": "F8_E4M3"}[method]  # an 8-bit head under int4, as llama.cpp's Q4 files
     assert model.lm_head.quant_format.name == kind
     assert np.array_equal(model.lm_head.weight.numpy(), ref[head])
     embed = model.model.embed_tokens
     if tied:
         assert embed.weight is model.lm_head.weight and embed.quant_format.name == kind
-        assert "8 linear layers and the LM head (tied: model.embed_tokens.weight) quantized at load" in caplog.text
+        assert (f"8 linear layers and the LM head (tied: model.embed_tokens.weight, as {kind}) quantized at load"
+                in caplog.text)
         assert "kept float" not in caplog.text
     else:
         assert embed.quant_format is None and embed.weight.dtype == torch.float32
-        assert "8 linear layers and the LM head (lm_head.weight) quantized at load" in caplog.text
+        assert f"8 linear layers and the LM head (lm_head.weight, as {kind}) quantized at load" in caplog.text
         assert "kept float, an untied embedding is only looked up: model.embed_tokens.weight" in caplog.text
 
     for backend in backends:

@@ -137,12 +137,13 @@ def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, requ
     assert out["weights_per_gpu"] < float32["weights_per_gpu"]
     assert out["quantize_lm_head"] == lm_head
     assert engine_resident_bytes(folder, quantization=method, quantize_lm_head=lm_head) == out["weights_per_gpu"]
-    if lm_head:  # the head alone left the dtype: 4 bytes a weight became the format's
+    if lm_head:  # the head alone left the dtype: 4 bytes a weight became its format's (8-bit Q8_0 under int4)
         spec = ModelSpec.from_hf_config(folder)
         vocab = spec.vocab_size * spec.hidden_size
         without = serve_json(capsys, "--model", folder, "--dtype", "float32", "--quantization", method,
                              "--kv-cache-memory", "64MiB")
-        assert without["weights_per_gpu"] - out["weights_per_gpu"] == 4 * vocab - FORMATS[method].bytes(vocab)
+        head_as = {"int8": "Q8_0", "int4": "Q8_0", "fp8": "fp8"}[method]
+        assert without["weights_per_gpu"] - out["weights_per_gpu"] == 4 * vocab - FORMATS[head_as].bytes(vocab)
 
 
 def test_quantized_llama_2_7b_weights_and_their_decode_step():
