@@ -278,8 +278,8 @@ class QuantizeAtLoad:
         self.vocabulary: set[str] = set()  # of those, the LM head's matrix (quantize_lm_head's format)
 
     def choose_layers(self, model: torch.nn.Module) -> None:
-        from engine.quant.formats import BLOCK_SIZE
-        from engine.quant.quantize import block_format, check_quantizable, describe, lm_head_format
+        from engine.quant.quantize import (block_format, check_lm_head_quantizable, check_quantizable, describe,
+                                           lm_head_format)
 
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
@@ -296,8 +296,7 @@ class QuantizeAtLoad:
                 kept.add(target)
                 continue
             if module.quant_format is None and _is_vocabulary(target):
-                check_quantizable(module.weight.shape[1], "fp8" if self.method == "fp8" else "int8", BLOCK_SIZE,
-                                  target)
+                check_lm_head_quantizable(module.weight.shape[1], target)
                 module.quantize_weight(lm_head_format(self.method))
                 self.vocabulary.add(name)
             elif module.quant_format is None:

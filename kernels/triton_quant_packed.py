@@ -169,10 +169,10 @@ def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count
 
     The next step's words and scales are loaded before this step's arithmetic, so a program keeps
     two steps' bytes in flight (with GEMV_TILE, a 1B layer's four shapes took 34.6 us on an H200,
-    40.4 us loading each step in the step that uses it). EVEN (the columns fill whole tiles and every split
-    whole steps): no masks (the arithmetic a weight is a few instructions; masks and their selects
-    were a third more); the last step's prefetch reads that step's rows again (cache hits) rather
-    than past its split.
+    40.4 us loading each step in the step that uses it). EVEN (the columns fill whole tiles and
+    every split whole steps): no masks, whose predicates and selects cost instructions in a kernel
+    that issue, not memory, likely bounds; the last step's look-ahead reads that step's rows again
+    (cache hits) rather than past its split.
 
     PARTIAL (K split over axis 1): each program writes its float32 partial at part_ptr + split *
     stride_split, then counts itself in at count_ptr[column tile]; the last of the tile's splits to

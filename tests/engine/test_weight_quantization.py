@@ -160,6 +160,9 @@ def test_lm_head_q8_0_blocks_are_llama_cpps(dtype):
         qt = quantize_lm_head(w, method)
         assert qt.format.name == lm_head_format(method).name == "Q8_0"
         assert np.array_equal(qt.blocks.numpy(), gguf_quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0))
+    with pytest.raises(ValueError, match="--quantize-lm-head: the LM head has 40 inputs per row, not a multiple of "
+                                         "the 32-weight blocks.*drop --quantize-lm-head"):
+        quantize_lm_head(torch.zeros(4, 40), "int4")
 
 
 @pytest.mark.parametrize("g", [32, 128])
