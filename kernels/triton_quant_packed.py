@@ -101,6 +101,21 @@ def pack(blocks: torch.Tensor, fmt_name: str) -> PackedWeight:
     return PackedWeight(words, scales, fmt_name)
 
 
+def rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Output rows `ids` (int64 [n]) of the weight, float32 [n, K]: the repacked blocks' values as
+    engine.quant's dequantize gives them (d * u exact in float32, + m rounding once), from the
+    repacked copy alone, so a tied embedding looks its rows up here and the blocks can be freed.
+    Torch ops: a lookup reads a few rows a step."""
+    bits, offset = FORMATS[w.format]
+    n, per_word = ids.numel(), 32 // bits
+    shifts = torch.arange(per_word, device=w.words.device, dtype=torch.int32) * bits
+    codes = (w.words[:, ids].t().unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # the mask drops sign bits
+    scales = w.scales[:, :, ids].float().permute(0, 2, 1).repeat_interleave(GROUP_SIZE, dim=2)  # [1|2, n, K]
+    d = scales[0]
+    m = scales[1] if offset is None else -offset * d
+    return d * codes.reshape(n, -1).float() + m
+
+
 @triton.jit
 def _code_products(x_ptrs, w_in, words, j: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr = True):
     """x[k] * u for code j of each word [WORDS, BLOCK_N] (its inputs at x_ptrs + j [WORDS]), and x[k].

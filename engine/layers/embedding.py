@@ -19,6 +19,9 @@ from engine.quant import BlockFormat
 
 class VocabParallelEmbedding(nn.Module):
     quant_format: BlockFormat | None = None  # set by quantize_weight
+    # A tied LM head's packed copy of these blocks (engine.layers.linear.pack_weights), which the
+    # lookup then reads, so the blocks themselves are freed: the vocabulary is held once.
+    packed_rows = None
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
@@ -42,7 +45,8 @@ class VocabParallelEmbedding(nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_format is None:
             return F.embedding(ids, self.weight)
-        rows = self.quant_format.rows(self.weight, ids.reshape(-1), get_forward_context().backend.name)
+        rows = self.quant_format.rows(self.weight, ids.reshape(-1), get_forward_context().backend.name,
+                                      self.packed_rows)
         return rows.to(self.dtype).reshape(*ids.shape, -1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

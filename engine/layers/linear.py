@@ -26,16 +26,22 @@ def pack_weights(model: nn.Module, pack_linear_weight: Callable, pack_blocks: Ca
     """Give every matmul weight of the model its packed copy, once the checkpoint is loaded: a
     float weight pack_linear_weight(weight) (the backend's), quantized blocks pack_blocks(format,
     blocks) (the triton backend repacks 4/8-bit blocks for the GPU: BlockFormat.pack), None where
-    the plain weight is what the matmul reads. The plain copy is freed where nothing else reads it
-    (a tied LM head shares its weight with the embedding, which keeps it)."""
-    unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
-                      for p in m.parameters(recurse=False)}
-    for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
+    the plain weight is what the matmul reads. The plain copy is freed where nothing else reads it:
+    a tied embedding reads its rows from the LM head's packed blocks (packed_rows) where the blocks
+    were repacked, and keeps the weight where the head's copy is a float layout (oneDNN's)."""
+    packers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    for module in packers:
         fmt = getattr(module, "quant_format", None)
         module.packed_weight = (pack_linear_weight(module.weight) if fmt is None
                                 else pack_blocks(fmt, module.weight))
+    repacked = {id(m.weight): m.packed_weight for m in packers
+                if m.packed_weight is not None and getattr(m, "quant_format", None) is not None}
+    for module in model.modules():
+        if hasattr(module, "packed_rows") and not hasattr(module, "packed_weight") and id(module.weight) in repacked:
+            module.packed_rows = repacked[id(module.weight)]
+    unpacked_users = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
+                      and getattr(m, "packed_rows", None) is None for p in m.parameters(recurse=False)}
+    for module in packers:
         if module.packed_weight is not None and id(module.weight) not in unpacked_users:
             module.weight.data = module.weight.data.new_empty(0)
     logger.info("weights resident: %s", weight_bytes_summary(model))

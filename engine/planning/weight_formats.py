@@ -12,9 +12,9 @@ head's matrix) in WeightFormat.head_as; an untied embedding, the LM head by defa
 the model's dtype (a GGUF file's own embedding and LM head blocks are held as stored,
 engine/layers/embedding.py), the MoE router in float32, and routed experts at the model's dtype (the engine's
 fused experts have no quantized path: a GGUF's expert blocks are dequantized at load, engine/weights.py). A
-tied matrix counts once, as the model's parameters hold it; a backend's packed copy of a tied head comes on
-top (oneDNN's float copy on the cpu backend; the triton backend's repacked int8 / int4 copy, while the
-embedding reads the blocks).
+tied matrix counts once, as the model's parameters hold it; a float head's packed copy comes on top (oneDNN's
+layout on the cpu backend), while the triton backend's repacked copy of quantized blocks replaces them (a tied
+embedding looks its rows up there).
 """
 
 from __future__ import annotations

@@ -113,10 +113,13 @@ class BlockFormat:
         n = blocks.shape[0]
         return self._dequantize(blocks.reshape(n, -1, self.block_bytes)).reshape(n, -1)
 
-    def rows(self, blocks: torch.Tensor, ids: torch.Tensor, backend: str) -> torch.Tensor:
-        """dequantize(blocks[ids]) for int64 ids [n]: float32 [n, K], the same values; on the cpu
-        backend by its C++ kernel (one call, where dequantize is a handful of torch ops: an
-        embedding lookup per decode step)."""
+    def rows(self, blocks: torch.Tensor, ids: torch.Tensor, backend: str, packed=None) -> torch.Tensor:
+        """dequantize(blocks[ids]) for int64 ids [n]: float32 [n, K], the same values; from `packed`
+        where pack() made one (a tied LM head's: the blocks may then be empty), on the cpu backend by
+        its C++ kernel (one call, where dequantize is a handful of torch ops: an embedding lookup
+        per decode step)."""
+        if packed is not None:
+            return _triton_packed().rows(packed, ids)
         picked = blocks.index_select(0, ids)
         if backend == "cpu" and _cpu_kernels() is not None:
             return _cpu_kernels().dequantize(picked, self.name)

@@ -166,3 +166,47 @@ def test_engine_holds_the_repacked_copies_in_the_blocks_bytes(packed, tmp_path, 
         finally:
             llm.shutdown()
     assert resident["triton"] == resident["torch"]
+
+
+def test_rows_of_the_repacked_copy_are_the_blocks_rows(packed):
+    """rows(): a tied embedding's lookup from the repacked copy alone, exactly the blocks' values."""
+    from engine.quant import FORMATS as BLOCK_FORMATS
+
+    ids = torch.tensor([0, 69, 5, 5, 33])
+    for fmt in FORMATS:
+        blocks, _ = random_blocks(fmt, 70, 7 * 32, seed=3)
+        got = packed.rows(packed.pack(blocks.to(DEVICE), fmt), ids.to(DEVICE)).cpu()
+        torch.testing.assert_close(got, BLOCK_FORMATS[fmt].dequantize(blocks)[ids], rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_tied_quantized_vocabulary_is_held_once(packed, tmp_path):
+    """--quantize-lm-head on a tied model, triton backend: the head's repacked copy is the only copy
+    of the vocabulary (the embedding looks its rows up there, its blocks freed), so the resident
+    bytes equal the torch backend's, which keeps the blocks alone; and the tokens are the same."""
+    from engine import LLM, SamplingParams
+    from engine.layers.linear import resident_bytes
+    from tests.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=True)
+    resident, tokens = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), quantization="int4", quantize_lm_head=True, dtype="float32", device=DEVICE,
+                  attention_backend=backend, num_kv_blocks=8, max_model_len=64)
+        try:
+            model = llm.engine.runner.model
+            embed, head = model.model.embed_tokens, model.lm_head
+            assert embed.quant_format.name == head.quant_format.name == "Q8_0"
+            if backend == "triton":
+                assert isinstance(head.packed_weight, packed.PackedWeight) and embed.packed_rows is head.packed_weight
+                assert embed.weight.numel() == 0
+            else:
+                assert embed.packed_rows is None and embed.weight.numel() > 0
+            resident[backend] = resident_bytes(model)
+            outs = llm.generate([[5, 9, 27, 3], [100, 2]], SamplingParams(temperature=0.0, max_tokens=6),
+                                use_tqdm=False)
+            tokens[backend] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+    assert resident["triton"] == resident["torch"]
+    assert tokens["triton"] == tokens["torch"]
