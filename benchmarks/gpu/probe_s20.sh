@@ -22,10 +22,6 @@ timeout ${KPROFILE_S:-80} python3 benchmarks/gpu/kernel_profile.py --model /tmp/
     --quantizations ${QUANTS:-int4} --top 14 $tiles --output-json "$OUT/kernel_profile.json" 2>&1 | grep -v "^$"
 echo "kernel profile done at $(( $(date +%s) - t0 )) s"
 [ "${TESTS_S:-150}" = 0 ] && exit 0
-timeout ${TESTS_S:-150} python3 -m pytest ${TESTS:-tests/kernels tests/gpu} -k "not cpu" \
+gpu_tests ${TESTS_S:-150} ${TESTS:-tests/kernels tests/gpu} -k "not cpu" \
     --ignore=tests/kernels/test_cpu_kernels.py --ignore=tests/kernels/test_quant_kernels.py \
-    --ignore=tests/kernels/test_cpu_bench_smoke.py --ignore=tests/kernels/test_kernels_compile_for_gpu.py \
-    -n 16 -q -rfE -p no:cacheprovider -p tests.failure_log --failure-log="$OUT/failures.txt" >"$OUT/tests.log" 2>&1
-echo "tests rc=$? at $(( $(date +%s) - t0 )) s"
-grep -v "PytestBenchmarkWarning\|warner(" "$OUT/tests.log" | grep -v "^  \|^$" | tail -12
-grep "^-----" "$OUT/failures.txt" 2>/dev/null | head -20
+    --ignore=tests/kernels/test_cpu_bench_smoke.py --ignore=tests/kernels/test_kernels_compile_for_gpu.py

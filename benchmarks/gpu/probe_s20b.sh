@@ -8,12 +8,9 @@ set -u
 source benchmarks/gpu/lease_env.sh
 t0=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - t0 )) s"; }
-timeout ${TESTS_S:-90} python3 -m pytest tests/kernels/test_triton_quant_packed.py tests/kernels/test_triton_quant.py \
-    tests/kernels/test_triton_warmup.py tests/gpu -n 16 -q -rfE -p no:cacheprovider -p tests.failure_log \
-    --failure-log="$OUT/failures.txt" >"$OUT/tests.log" 2>&1
-stamp "tests rc=$?"
-grep -v "PytestBenchmarkWarning\|warner(" "$OUT/tests.log" | grep -v "^  \|^$" | tail -8
-grep "^-----" "$OUT/failures.txt" 2>/dev/null | head -12
+gpu_tests ${TESTS_S:-90} tests/kernels/test_triton_quant_packed.py tests/kernels/test_triton_quant.py \
+    tests/kernels/test_triton_warmup.py tests/gpu
+stamp tests
 timeout ${BENCH_S:-80} python3 benchmarks/gpu/packed_bench.py --sweep --formats Q4_1 --rows 1 \
     --best-json "$OUT/packed_best.json" --output-json "$OUT/packed_bench.json" 2>&1 \
     | tee "$OUT/packed_bench.log" | grep -v "^  .*Error"
