@@ -45,17 +45,137 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>  // _mm_pause: the helper pool's spin waits
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// The caller and `helpers` threads of its own take a loop's chunks from a shared counter, and the
+// caller waits only for chunks a helper has taken and not finished, never for a helper to arrive:
+// beside busy loops a helper the scheduler has not run takes no chunk and holds nothing up, where an
+// OpenMP team's barrier waits for every thread (benchmarks/threads/optional_helper.cpp: beside one
+// busy loop per CPU, 1.30-1.62x of one thread where the team of 2 fell to 0.6x; BENCHMARKS.md,
+// session 20). helpers == 0 (the default): at::parallel_for, exactly as before.
+class HelperPool {
+ public:
+  static HelperPool& get() {
+    static HelperPool* pool = new HelperPool();  // never destroyed: its threads may wait at exit
+    return *pool;
+  }
+  int64_t helpers() const { return helpers_.load(std::memory_order_relaxed); }
+  void set_helpers(int64_t n) {
+    std::lock_guard<std::mutex> lock(m_);
+    for (int64_t i = static_cast<int64_t>(started_); i < n; ++i, ++started_)
+      std::thread([this, i] { loop(i); }).detach();
+    helpers_.store(n);
+  }
+  template <typename F>
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+    const int64_t n = end - begin, h = helpers();
+    if (n <= 0) return;
+    if (h == 0) {
+      at::parallel_for(begin, end, grain, f);
+      return;
+    }
+    const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + 4 * (h + 1) - 1) / (4 * (h + 1)));
+    if (n <= chunk) {
+      f(begin, end);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->fn = std::ref(f);
+    job->begin = begin;
+    job->end = end;
+    job->chunk = chunk;
+    job->chunks = (n + chunk - 1) / chunk;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      current_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    job->work();
+    while (job->done.load(std::memory_order_acquire) < job->chunks) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    }
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      if (current_ == job) current_.reset();  // f lives on this frame: no later reader
+    }
+    if (job->error) std::rethrow_exception(job->error);
+  }
+
+ private:
+  struct Job {
+    std::function<void(int64_t, int64_t)> fn;
+    int64_t begin = 0, end = 0, chunk = 1, chunks = 0;
+    std::atomic<int64_t> next{0}, done{0};
+    std::exception_ptr error;
+    std::mutex error_m;
+    void work() {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        try {
+          fn(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_m);
+          if (!error) error = std::current_exception();
+        }
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+
+  void loop(int64_t index) {
+    at::set_num_threads(1);  // a helper's own ATen calls stay on it
+    uint64_t seen = generation_.load();
+    for (;;) {
+      for (int spin = 0; spin < 4000 && generation_.load(std::memory_order_acquire) == seen; ++spin) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
+        job = current_;
+      }
+      if (job && index < helpers()) job->work();  // an old job's chunks are all taken: no call
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Job> current_;
+  std::atomic<int64_t> helpers_{0};
+  uint64_t started_ = 0;
+};
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  HelperPool::get().parallel_for(begin, end, grain, f);
+}
 
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kBF16 = 5 };
 constexpr int64_t kNumFormats = 6;
@@ -529,7 +649,7 @@ constexpr int64_t kWideGroup = 8;
 template <int64_t F, typename Out>
 void linear_f32_impl(const float* x, const uint8_t* w, Out* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / kBlockWeights[F], row_bytes = nb * kBlockBytes[F];
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+  parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
     float out[kWideGroup];
     for (int64_t m = 0, rows = 0; m < M; m += rows) {
       rows = M - m >= kWideGroup ? kWideGroup : std::min<int64_t>(4, M - m);
@@ -584,7 +704,7 @@ QRows<I> quantize_rows(const float* x, int64_t M, int64_t K) {
   constexpr float kLevels = std::is_same_v<I, int8_t> ? 127.0f : 32767.0f;
   const int64_t nb = K / kBlock;
   QRows<I> a{std::vector<I>(M * K), std::vector<float>(2 * M * nb)};
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+  parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* xb = x + i * kBlock;
       I* qb = a.q.data() + i * kBlock;
@@ -777,7 +897,7 @@ bool has_vnni() { return false; }
 template <int64_t F, typename Rows>
 void linear_q8_impl(const Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, row_bytes = nb * kBlockBytes[F];
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+  parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
     float out[4];
     for (int64_t m = 0; m < M; m += 4) {
       const int64_t rows = std::min<int64_t>(4, M - m);
@@ -902,7 +1022,7 @@ void linear_bf16_tiled_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloa
   constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
   const int64_t nb = K / bw, row_bytes = nb * bb, tiles = (N + kTileRows - 1) / kTileRows;
   static const bool native_bf16 = __builtin_cpu_supports("avx512bf16");
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int32_t> tile(K / 2 * kTileRows);  // pair j (inputs 2j, 2j + 1) of row n at [j * kTileRows + n]
     std::vector<float> acc(kTileM * kTileRows);
     const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -1124,7 +1244,7 @@ constexpr int64_t kMicroRows = 6;   // weight rows per micro-tile
 std::vector<float> pack_slabs(const float* x, int64_t M, int64_t K) {
   const int64_t slabs = (M + kSlab - 1) / kSlab;
   std::vector<float> out(slabs * K * kSlab, 0.0f);
-  at::parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
+  parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s)
       for (int64_t j = 0; j < kSlab && s * kSlab + j < M; ++j) {
         const float* row = x + (s * kSlab + j) * K;
@@ -1201,7 +1321,7 @@ at::Tensor linear_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fm
   const std::vector<float> slabs = pack_slabs(xp, M, K);
 #endif
   by_format(fmt, [&](auto F) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> tile(kFloatTileRows * K);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kFloatTileRows, rows = std::min(kFloatTileRows, N - n0);
@@ -1229,7 +1349,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   float* out_f32 = bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   by_format(fmt, [&](auto F) {
-    at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
       float buf[256];
       for (int64_t n = n0; n < n1; ++n) {
         for (int64_t b = 0; b < nb; ++b) {
@@ -1258,6 +1378,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_helpers", [](int64_t n) { HelperPool::get().set_helpers(n); },
+        "threads of this extension's own that join the caller in its loops (0: torch's OpenMP team)");
+  m.def("helpers", [] { return HelperPool::get().helpers(); }, "set_helpers' count");
   m.def("linear_f32", &linear_f32, "x @ dequant(w)^T, blocks dequantized to float in registers");
   // For kernels/cpu_ops.cpp's DecoderLayers, which calls linear_f32 without a trip through Python.
   m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },

@@ -335,3 +335,37 @@ def test_narrower_builds_match_dequantized_reference(isa):
     out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, isa], env=env, cwd=root, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and "portable ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
+def test_the_helper_pool_gives_the_teams_bits(fmt):
+    """load_quant().set_helpers(n): the caller and n helpers of the extension's own take each loop's
+    chunks (a helper the scheduler has not run takes none: the caller never waits for it). Every
+    output row is one thread's work either way, so the results are bit for bit those of torch's
+    OpenMP team, at one row, a few (the register kernels), 64 (the tiles), in float32 and bf16, with
+    the int16 / int8 activation kernels too; and set_helpers(0) gives the team back."""
+    _cpu_kernels_or_skip()
+    quant = cpu_build.load_quant()
+    blocks, _ = _weight(fmt, 200, _k(fmt, 4), seed=3)
+    threads = torch.get_num_threads()
+    cases = [(m, dtype, act) for m in (1, 3, 9, 64) for dtype in (torch.float32, torch.bfloat16)
+             for act in (None, "int16", "int8") if act is None or m <= 16]
+    want = []
+    for m, dtype, act in cases:
+        x = torch.randn(m, blocks.shape[1] // FORMATS[fmt].block_bytes * FORMATS[fmt].block_size,
+                        generator=torch.Generator().manual_seed(m)).to(dtype)
+        try:
+            want.append(((m, dtype, act), x, cpu_quant.linear(x, blocks, fmt, None, act)))
+        except RuntimeError:  # an activation kernel this CPU's build lacks (linear_q16: AVX2 only)
+            pass
+    assert len(want) >= 8
+    try:
+        torch.set_num_threads(1)
+        quant.set_helpers(max(1, threads - 1))
+        assert quant.helpers() == max(1, threads - 1)
+        for (m, dtype, act), x, expected in want:
+            assert torch.equal(cpu_quant.linear(x, blocks, fmt, None, act), expected), (m, dtype, act)
+    finally:
+        quant.set_helpers(0)
+        torch.set_num_threads(threads)
+    assert quant.helpers() == 0
