@@ -145,7 +145,7 @@ class HelperPool {
   };
 
   void loop(int64_t index) {
-    at::set_num_threads(1);  // a helper's own ATen calls stay on it
+    // (No at::set_num_threads here: it sets torch's count for the whole process.)
     uint64_t seen = generation_.load();
     for (;;) {
       for (int spin = 0; spin < 4000 && generation_.load(std::memory_order_acquire) == seen; ++spin) {

@@ -369,3 +369,15 @@ def test_the_helper_pool_gives_the_teams_bits(fmt):
         quant.set_helpers(0)
         torch.set_num_threads(threads)
     assert quant.helpers() == 0
+
+
+def test_starting_helpers_leaves_torchs_thread_count():
+    """A helper thread must not touch torch's thread count, which is the whole process's (a fresh
+    process: helpers start once per process)."""
+    _cpu_kernels_or_skip()
+    code = ("import time, torch; from kernels.cpu_build import load_quant; torch.set_num_threads(2); "
+            "load_quant().set_helpers(2); time.sleep(0.5); print(torch.get_num_threads(), load_quant().helpers())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2"]
