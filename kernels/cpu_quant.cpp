@@ -58,11 +58,7 @@
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
-#include <immintrin.h>  // _mm_pause: the helper pool's spin waits
-#endif
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
+#include <immintrin.h>  // the AVX2 / AVX-512 kernels, and _mm_pause in the helper pool's spin waits
 #endif
 
 namespace {

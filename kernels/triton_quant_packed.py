@@ -379,8 +379,9 @@ def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     """gemv_kernel's arrival counts, one int32 a column tile, zero between launches (the last
     split of each tile resets its count). One buffer per device and stream: launches on one stream
     run one after another, so they never share a count; a CUDA graph keeps the capture stream's
-    buffer, and graphs replayed one after another (an engine's steps) share it as safely. Sized
-    at the first launches (the warm-up, before any capture) and grown, never shrunk."""
+    buffer (made zero during the capture, at its first launch there), and graphs replayed one
+    after another (an engine's steps) share it as safely. Grown when a launch has more column
+    tiles than it holds, never shrunk."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     counts = _split_counts.get(key)

@@ -84,10 +84,10 @@ def per_block(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.repeat_interleave(group_size // BLOCK_SIZE, dim=1)
 
 
-def _row_chunks(w: torch.Tensor):
+def _row_chunks(w: torch.Tensor, dtype: torch.dtype = torch.float64):
     step = max(1, _CHUNK // max(1, w.shape[1]))
     for start in range(0, w.shape[0], step):
-        yield w[start:start + step].to(torch.float64)
+        yield w[start:start + step].to(dtype)
 
 
 def check_quantizable(in_features: int, method: str, group_size: int, what: str) -> None:
@@ -138,9 +138,8 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     Byte for byte gguf.quants.quantize's (tests/engine/test_weight_quantization.py)."""
     n, k = w.shape
     out = []
-    step = max(1, _CHUNK // max(1, k))
-    for start in range(0, n, step):
-        x = w[start:start + step].to(torch.float32).reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE)
+    for rows in _row_chunks(w, torch.float32):
+        x = rows.reshape(-1, k // BLOCK_SIZE, BLOCK_SIZE)
         d = x.abs().amax(dim=2, keepdim=True) / 127
         v = x * torch.where(d == 0, 0.0, 1 / d)
         a = v.abs()
@@ -156,12 +155,12 @@ def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
 # loses more to 4 bits than its layers do (the default model's perplexity: +9.8% with a Q4_1 head,
 # 0.0% with Q8_0, exact there since that file's embedding is Q8_0; BENCHMARKS.md, session 20). fp8
 # keeps it as its layers.
-LM_HEAD_FORMATS = {"int8": "Q8_0", "int4": "Q8_0", "fp8": "F8_E4M3"}
+LM_HEAD_FORMATS = {"int8": FORMATS["Q8_0"], "int4": FORMATS["Q8_0"], "fp8": F8_E4M3}
 
 
 def lm_head_format(method: str):
     """The block format `method` with --quantize-lm-head keeps the LM head in."""
-    return F8_E4M3 if LM_HEAD_FORMATS[method] == "F8_E4M3" else FORMATS[LM_HEAD_FORMATS[method]]
+    return LM_HEAD_FORMATS[method]
 
 
 def check_lm_head_quantizable(in_features: int, what: str) -> None:
