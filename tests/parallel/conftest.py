@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.helpers import live_descendants
+from tests.parallel.helpers import engine_processes
 from tests.tiny_model import build_tiny_model
 
 
@@ -29,10 +29,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def new_processes():
-    """The live processes below this one that appeared since the test began (other suites'
+    """The live engine processes below this one that appeared since the test began (other suites'
     session fixtures, a server for one, may be running too): call it to list them."""
-    before = set(live_descendants())
-    return lambda: sorted(set(live_descendants()) - before)
+    before = set(engine_processes())
+    return lambda: sorted(set(engine_processes()) - before)
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,21 @@ def forked():
     return SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
 
 
+def engine_processes(pid: int | None = None) -> list[int]:
+    """Pids of the live engine processes (`python -m engine.executor.procs`: replicas and ranks)
+    below `pid` (default: this process). Not every descendant: a replica's torch runs `ninja` a
+    moment to check its C++ extension is built, which a count of descendants caught (CI, 5 == 4)."""
+    return [p for p in live_descendants(pid) if _runs_engine(p)]
+
+
+def _runs_engine(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"engine.executor.procs" in f.read()
+    except OSError:
+        return False
+
+
 def live_descendants(pid: int | None = None) -> list[int]:
     """Pids of the live (not zombie) processes below `pid` (default: this process)."""
     pid = os.getpid() if pid is None else pid

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.parallel.helpers import BLOCK_SIZE, MAX_TOKENS, NUM_BLOCKS, PROMPTS, live_descendants, pid_alive
+from tests.parallel.helpers import BLOCK_SIZE, MAX_TOKENS, NUM_BLOCKS, PROMPTS, engine_processes, pid_alive
 from tests.server.server_harness import ServerProcess, get_metrics, metric
 
 SERVER_ARGS = ["--data-parallel-size", "2", "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
@@ -53,7 +53,7 @@ def test_concurrent_requests_spread_over_replicas_and_match_one_process(server, 
 
 def test_killed_replica_fails_pending_requests_and_health(server):
     """Runs last in this module: it kills the server's engine."""
-    everything = live_descendants(server.proc.pid)  # the two replica processes
+    everything = engine_processes(server.proc.pid)  # the two replica processes
     assert len(everything) == 2
 
     async def run():
