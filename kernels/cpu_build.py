@@ -73,6 +73,7 @@ class _Library:
             except Exception as e:  # a missing compiler, headers, or a failed build: all mean "no kernels"
                 self.error = e
                 raise RuntimeError(f"{self.what} could not be built: {e}") from e
+            _share_the_pool()
             return self.module
 
 
@@ -89,6 +90,41 @@ def load_quant():
     """The compiled kernels/cpu_quant.cpp (matmuls on GGUF block-quantized weights); raises
     RuntimeError saying why when it cannot be built."""
     return _QUANT.load()
+
+
+_helpers = 0
+
+
+def _share_the_pool() -> None:
+    """(Under _lock, once a library loads.) cpu_quant.cpp's helper pool takes cpu_ops.cpp's loops too
+    once both are loaded, and has the helpers set_helpers asked for."""
+    if _QUANT.module is None:
+        return
+    _QUANT.module.set_helpers(_helpers)
+    if _OPS.module is not None:
+        _OPS.module.use_pool(_QUANT.module.parallel_for_address(), _QUANT.module.helpers_address())
+
+
+def set_helpers(n: int) -> None:
+    """Give the C++ kernels' loops `n` helper threads that their caller never waits for, beside
+    torch's team (0: the team alone), now if kernels/cpu_quant.cpp's pool is loaded, else once it
+    is: engine/cpu_threads.LoadFollower asks for them on CPUs that other processes keep busy. The
+    pool serves cpu_ops.cpp's loops too once both libraries are loaded; their results do not
+    depend on it (tests/kernels/test_helper_pool.py)."""
+    global _helpers
+    with _lock:
+        _helpers = n
+        _share_the_pool()
+
+
+def helpers() -> int:
+    """set_helpers' count."""
+    return _helpers
+
+
+def helpers_ready() -> bool:
+    """Whether helpers would join any loop now: the quantized kernels' pool is loaded."""
+    return _QUANT.module is not None
 
 
 def available() -> Exception | None:

@@ -2,7 +2,8 @@
 // and prefill rows alike), the KV-cache store, the fused elementwise ops around the matmuls (residual
 // add + RMSNorm, rotary, SwiGLU) and the fused mixture-of-experts layer. Built on first use by
 // kernels/cpu_build.py with ATen's SIMD types (at::vec::Vectorized) for the CPU capability torch
-// reports, threaded with at::parallel_for.
+// reports, threaded with at::parallel_for, or through kernels/cpu_quant.cpp's helper pool once
+// use_pool hands its address here (cpu_build does when both libraries are loaded).
 //
 // Every op rounds where transformers' eager 16-bit code rounds (kernels/reference.py is the
 // oracle): float math inside, one rounding to the storage dtype at each point the reference
@@ -43,6 +44,30 @@ using fVec = at::vec::Vectorized<float>;
 using fp8 = c10::Float8_e4m3fn;
 constexpr int64_t kF = fVec::size();
 constexpr float kFp8Max = 448.f;  // the largest finite e4m3 value
+
+// kernels/cpu_quant.cpp's pool_parallel_for (its helper pool, whose caller never waits for a helper
+// that has not arrived; at::parallel_for while it has no helpers), or null before use_pool.
+using PoolFn = void (*)(int64_t, int64_t, int64_t, void (*)(const void*, int64_t, int64_t), const void*);
+using HelpersFn = int64_t (*)();
+std::atomic<PoolFn> g_pool{nullptr};
+std::atomic<HelpersFn> g_pool_helpers{nullptr};
+
+// The threads a loop may run on: torch's, and the pool's helpers.
+int64_t loop_threads() {
+  const HelpersFn helpers = g_pool_helpers.load(std::memory_order_acquire);
+  return at::get_num_threads() + (helpers ? helpers() : 0);
+}
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const PoolFn pool = g_pool.load(std::memory_order_acquire);
+  if (pool == nullptr) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  pool(begin, end, grain, [](const void* context, int64_t b, int64_t e) { (*static_cast<const F*>(context))(b, e); },
+       &f);
+}
 
 // n <= kF e4m3 elements as floats, exactly (lanes past n are zero). An e4m3 byte's magnitude bits
 // moved down one place, under the sign bit, are a float16 of the same mantissa whose exponent bias
@@ -172,7 +197,7 @@ inline fVec exp_for(const fVec& x) {
 template <typename T>
 void rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t rows, int64_t dim,
                    float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim + kP);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
@@ -236,7 +261,7 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 template <typename T>
 void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t half,
                  int64_t token_stride, int64_t head_stride) {
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * half;
       const T* s = sin + t * half;
@@ -287,7 +312,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   PW_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
       const fVec one(1.f);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* g = in + t * 2 * inter;
@@ -321,7 +346,7 @@ template <typename T, typename C>
 void write_kv_impl(const T* key, const T* value, C* kc, C* vc, const int64_t* slots, int64_t tokens, int64_t heads,
                    int64_t dim, int64_t num_blocks, int64_t bs, int64_t key_stride, int64_t value_stride,
                    float k_scale, float v_scale) {
-  at::parallel_for(0, tokens, 32, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 32, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t slot = slots[t];
       if (slot < 0) continue;
@@ -519,7 +544,7 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
   std::vector<AttentionItem> items;
   std::vector<std::pair<int64_t, int64_t>> splits;  // each split (row, KV head): its first item, its chunks
   int64_t parts = 0;
-  const bool split = num_rows * kv_heads < 2 * at::get_num_threads();
+  const bool split = num_rows * kv_heads < 2 * loop_threads();
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t s = row_seq[r], len = lens[r], n_blocks = (len + bs - 1) / bs;
     // A bad batch is a caller's bug: refuse it before reading anything.
@@ -536,7 +561,7 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
     }
   }
   std::vector<float> partials(parts * part_size);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * dim), acc(group * dim), scores;
     for (int64_t i = begin; i < end; ++i) {
       const AttentionItem& it = items[i];
@@ -611,7 +636,7 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
     }
   });
   // Merge each split (row, KV head): its chunks are consecutive items, their partials consecutive.
-  at::parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(dim);
     for (int64_t f = begin; f < end; ++f) {
       const auto [first, chunks] = splits[f];
@@ -703,7 +728,7 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
   float* l = logits.data_ptr<float>();
   const uint32_t* b = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = l + r * vocab;
       const uint32_t* mask = b + r * words;
@@ -829,7 +854,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   int64_t* o = out.data_ptr<int64_t>();
   PW_DISPATCH(logits.scalar_type(), "argmax_rows", [&] {
     const scalar_t* l = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(l + r * vocab, vocab);
     });
   });
@@ -1044,7 +1069,7 @@ ExpertSegments sort_by_expert(const int64_t* ids, int64_t slots, int64_t top_k, 
 template <typename T>
 void combine_impl(T* out, const float* weights, const std::vector<const T*>& slot_src, int64_t tokens, int64_t top_k,
                   int64_t hidden) {
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(hidden);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -1071,7 +1096,7 @@ at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& row_toke
   auto buf = torch::empty({rows, x.size(1)}, x.options());
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(buf.data_ptr());
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (row_token[r] >= 0) std::memcpy(dst + r * row_bytes, src + row_token[r] * row_bytes, row_bytes);
       else std::memset(dst + r * row_bytes, 0, row_bytes);
@@ -1428,6 +1453,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t,
                           int64_t>())
       .def("forward", &DecoderLayers::forward, "a decode step through every layer, the modules' ops in their order");
+  m.def("use_pool", [](int64_t loop, int64_t helpers) {
+          g_pool_helpers.store(reinterpret_cast<HelpersFn>(helpers), std::memory_order_release);
+          g_pool.store(reinterpret_cast<PoolFn>(loop), std::memory_order_release);
+        },
+        "run the loops through kernels/cpu_quant.cpp's pool (its parallel_for_address and helpers_address; "
+        "0, 0: at::parallel_for)");
   m.def("set_thread_cpus", &set_thread_cpus, "the CPUs each op thread may run on: one each, or all of them");
   m.def("rms_norm", &rms_norm, "weight * norm(x [+ residual]) and the new residual");
   m.def("rotary_", &rotary_, "rotate [tokens, heads, head_dim] in place");

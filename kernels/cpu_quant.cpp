@@ -36,13 +36,15 @@
 //                rounding (about 0.4% per block).
 //   dequantize   whole rows to float or bfloat16, for the prefill path (a oneDNN/MKL GEMM on the
 //                dequantized matrix beats both kernels once enough rows share each weight).
-// Threads split the output rows N (at::parallel_for): each thread streams its own weight rows,
-// prefetched ahead in software, once per group of activation rows (8, or at most 4).
+// Threads split the output rows N (at::parallel_for, or HelperPool below): each thread streams its
+// own weight rows, prefetched ahead in software, once per group of activation rows (8, or at most 4).
+// linear_dequant_gemm: dequantize + ATen's bf16 GEMM a slice of rows per task, for the pool's helpers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -71,11 +73,13 @@ namespace {
 // session 20). helpers == 0 (the default): at::parallel_for, exactly as before.
 class HelperPool {
  public:
+  static constexpr int kCallerSpins = 2000;  // ~40 us of _mm_pause before a caller sleeps
   static HelperPool& get() {
     static HelperPool* pool = new HelperPool();  // never destroyed: its threads may wait at exit
     return *pool;
   }
   int64_t helpers() const { return helpers_.load(std::memory_order_relaxed); }
+  int64_t helper_chunks() const { return helper_chunks_.load(std::memory_order_relaxed); }
   void set_helpers(int64_t n) {
     std::lock_guard<std::mutex> lock(m_);
     for (int64_t i = static_cast<int64_t>(started_); i < n; ++i, ++started_)
@@ -91,7 +95,9 @@ class HelperPool {
       return;
     }
     const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1), (n + 4 * (h + 1) - 1) / (4 * (h + 1)));
-    if (n <= chunk) {
+    // A loop inside a chunk (a kernel reached from another's loop) or an OpenMP region runs on its
+    // caller, as at::parallel_for's nested loops do: the pool serves one level.
+    if (n <= chunk || in_chunk_ || at::in_parallel_region()) {
       f(begin, end);
       return;
     }
@@ -108,10 +114,22 @@ class HelperPool {
     }
     cv_.notify_all();
     job->work();
-    while (job->done.load(std::memory_order_acquire) < job->chunks) {
+    // A helper's chunk still running: spin a moment, then sleep till its last chunk wakes us. A
+    // helper descheduled mid-chunk (by another process) is waited for either way; sleeping leaves
+    // this CPU to it or to that process instead of spinning it away. (Two engines side by side:
+    // 402-448 tok/s each in 4 runs against 414-415 in one run spinning; beside busy loops alike
+    // within noise: BENCHMARKS.md, session 21.)
+    for (int spin = 0; job->done.load(std::memory_order_seq_cst) < job->chunks; ++spin) {
+      if (spin < kCallerSpins) {
 #if defined(__x86_64__)
-      _mm_pause();
+        _mm_pause();
 #endif
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(job->wait_m);
+      job->waiting.store(true, std::memory_order_seq_cst);
+      job->wait_cv.wait(lock, [&] { return job->done.load(std::memory_order_seq_cst) >= job->chunks; });
+      break;
     }
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -125,23 +143,37 @@ class HelperPool {
     std::function<void(int64_t, int64_t)> fn;
     int64_t begin = 0, end = 0, chunk = 1, chunks = 0;
     std::atomic<int64_t> next{0}, done{0};
+    std::atomic<bool> waiting{false};  // the caller sleeps on wait_cv till done == chunks
+    std::mutex wait_m;
+    std::condition_variable wait_cv;
     std::exception_ptr error;
     std::mutex error_m;
-    void work() {
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+    int64_t work() {
+      in_chunk_ = true;
+      int64_t taken = 0;
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks; ++taken) {
         try {
           fn(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
         } catch (...) {
           std::lock_guard<std::mutex> lock(error_m);
           if (!error) error = std::current_exception();
         }
-        done.fetch_add(1, std::memory_order_release);
+        if (done.fetch_add(1, std::memory_order_seq_cst) + 1 == chunks && waiting.load(std::memory_order_seq_cst)) {
+          std::lock_guard<std::mutex> lock(wait_m);  // the caller is between its check and its wait, or in it
+          wait_cv.notify_all();
+        }
       }
+      in_chunk_ = false;
+      return taken;
     }
   };
+  static thread_local bool in_chunk_;
 
   void loop(int64_t index) {
-    // (No at::set_num_threads here: it sets torch's count for the whole process.)
+    // A helper's chunk may call oneDNN's GEMM (linear_dequant_gemm), which would start an OpenMP
+    // team of every CPU from a thread outside torch's: one thread here. omp_set_num_threads is this
+    // thread's own setting; at::set_num_threads is not (it sets torch's count for the whole process).
+    omp_set_num_threads(1);
     uint64_t seen = generation_.load();
     for (;;) {
       for (int spin = 0; spin < 4000 && generation_.load(std::memory_order_acquire) == seen; ++spin) {
@@ -156,7 +188,8 @@ class HelperPool {
         seen = generation_.load();
         job = current_;
       }
-      if (job && index < helpers()) job->work();  // an old job's chunks are all taken: no call
+      // An old job's chunks are all taken: no call.
+      if (job && index < helpers()) helper_chunks_.fetch_add(job->work(), std::memory_order_relaxed);
     }
   }
 
@@ -165,13 +198,24 @@ class HelperPool {
   std::atomic<uint64_t> generation_{0};
   std::shared_ptr<Job> current_;
   std::atomic<int64_t> helpers_{0};
+  std::atomic<int64_t> helper_chunks_{0};
   uint64_t started_ = 0;
 };
+
+thread_local bool HelperPool::in_chunk_ = false;
 
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   HelperPool::get().parallel_for(begin, end, grain, f);
 }
+
+// The pool for kernels/cpu_ops.cpp's loops (its address travels through Python, as the matmuls'
+// do): one pool, so one set of helpers, serves both libraries.
+void pool_parallel_for(int64_t begin, int64_t end, int64_t grain, void (*fn)(const void*, int64_t, int64_t),
+                       const void* context) {
+  HelperPool::get().parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(context, b, e); });
+}
+int64_t pool_helpers() { return HelperPool::get().helpers(); }
 
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kBF16 = 5 };
 constexpr int64_t kNumFormats = 6;
@@ -1335,10 +1379,38 @@ at::Tensor linear_f32_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fm
   return y;
 }
 
+// Rows [n0, n1) of w (nb blocks of format F a row) -> out_f32 or out_bf16 (whichever is
+// not null; each weight rounded once), row n at (n - n0) * K.
+template <int64_t F>
+void dequantize_rows(const uint8_t* wp, int64_t n0, int64_t n1, int64_t nb, int64_t K, float* out_f32,
+                     c10::BFloat16* out_bf16) {
+  constexpr int64_t bw = kBlockWeights[F], bb = kBlockBytes[F];
+  float buf[256];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      decode_floats<F>(wp + n * nb * bb + b * bb, buf);
+      if (out_f32) {
+        std::memcpy(out_f32 + (n - n0) * K + b * bw, buf, bw * sizeof(float));
+      } else {
+        c10::BFloat16* o = out_bf16 + (n - n0) * K + b * bw;
+#if defined(CPU_CAPABILITY_AVX512)
+        for (int64_t i = 0; i < bw; i += 16)  // c10's scalar rounding cost 4x the decoding
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16(_mm512_loadu_ps(buf + i)));
+#elif defined(CPU_CAPABILITY_AVX2)
+        for (int64_t i = 0; i < bw; i += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16(_mm256_loadu_ps(buf + i)));
+#else
+        for (int64_t i = 0; i < bw; ++i) o[i] = c10::BFloat16(buf[i]);
+#endif
+      }
+    }
+  }
+}
+
 // w [N, row bytes] -> [N, K] float32, or bfloat16 (each weight rounded once) when bf16.
 at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   check_weight(w, fmt, K);
-  const int64_t N = w.size(0), bw = kBlockWeights[fmt], bb = kBlockBytes[fmt], nb = K / bw;
+  const int64_t N = w.size(0), nb = K / kBlockWeights[fmt];
   auto out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   // The output's pointers once: data_ptr per block was a tenth of a bf16 dequantization's time.
@@ -1346,29 +1418,50 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   c10::BFloat16* out_bf16 = bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   by_format(fmt, [&](auto F) {
     parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-      float buf[256];
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t b = 0; b < nb; ++b) {
-          decode_floats<decltype(F)::value>(wp + n * nb * bb + b * bb, buf);
-          if (!bf16) {
-            std::memcpy(out_f32 + n * K + b * bw, buf, bw * sizeof(float));
-          } else {
-            c10::BFloat16* o = out_bf16 + n * K + b * bw;
-#if defined(CPU_CAPABILITY_AVX512)
-            for (int64_t i = 0; i < bw; i += 16)  // c10's scalar rounding cost 4x the decoding
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16(_mm512_loadu_ps(buf + i)));
-#elif defined(CPU_CAPABILITY_AVX2)
-            for (int64_t i = 0; i < bw; i += 8)
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16(_mm256_loadu_ps(buf + i)));
-#else
-            for (int64_t i = 0; i < bw; ++i) o[i] = c10::BFloat16(buf[i]);
-#endif
-          }
-        }
-      }
+      dequantize_rows<decltype(F)::value>(wp, n0, n1, nb, K, out_f32 ? out_f32 + n0 * K : nullptr,
+                                          out_bf16 ? out_bf16 + n0 * K : nullptr);
     });
   });
   return out;
+}
+
+// Weight rows a linear_dequant_gemm task dequantizes and multiplies at once (bf16: 128 x K x 2
+// bytes, 144-384 KiB for the default model's layers, stays in L2).
+
+// The bf16 weight slice a linear_dequant_gemm task dequantizes and multiplies at once: about half
+// an L2 (at 64 rows of x, 64-1,024 weight rows a task measured fastest at 256-512 for K = 576, per-task
+// overhead dominating below 128, an LM head of 49,152 rows included).
+constexpr int64_t kGemmTileBytes = 512 << 10;
+
+// bf16 x [M, K] @ dequant(w)^T -> bf16 [M, N]: each task dequantizes a slice of weight rows to bf16
+// and multiplies it by ATen's bf16 GEMM (oneDNN's) on its own thread, so the pool's helpers share
+// the GEMM too, where dequantize + F.linear runs it on torch's team alone. oneDNN's results do not
+// depend on how N is sliced: the same bits as F.linear(x, dequantize(w), bias).
+at::Tensor linear_dequant_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
+                               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, fmt, K);
+  const int64_t tile_rows = std::max<int64_t>(64, kGemmTileBytes / (2 * K) / 16 * 16);
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t nb = K / kBlockWeights[fmt], tasks = (N + tile_rows - 1) / tile_rows;
+  by_format(fmt, [&](auto F) {
+    parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      auto tile = at::empty({tile_rows, K}, x.options());
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile_rows, rows = std::min(tile_rows, N - n0);
+        dequantize_rows<decltype(F)::value>(wp, n0, n0 + rows, nb, K, nullptr, tile.data_ptr<c10::BFloat16>());
+        // (ATen's bf16 gemm entry points are not exported to extensions: at::linear reaches oneDNN.)
+        const at::Tensor part = at::linear(x, tile.narrow(0, 0, rows),
+                                           bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, rows)) : c10::nullopt);
+        const c10::BFloat16* pp = part.data_ptr<c10::BFloat16>();
+        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(c10::BFloat16));
+      }
+    });
+  });
+  return y;
 }
 
 }  // namespace
@@ -1377,6 +1470,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_helpers", [](int64_t n) { HelperPool::get().set_helpers(n); },
         "threads of this extension's own that join the caller in its loops (0: torch's OpenMP team)");
   m.def("helpers", [] { return HelperPool::get().helpers(); }, "set_helpers' count");
+  m.def("helper_chunks", [] { return HelperPool::get().helper_chunks(); },
+        "how many loop chunks helpers have run in this process (tests: that they join at all)");
+  m.def("parallel_for_address", [] { return reinterpret_cast<int64_t>(&pool_parallel_for); },
+        "the address of the pool's loop for kernels/cpu_ops.cpp (the same process and libtorch)");
+  m.def("helpers_address", [] { return reinterpret_cast<int64_t>(&pool_helpers); },
+        "the address of the pool's helper count, for kernels/cpu_ops.cpp");
   m.def("linear_f32", &linear_f32, "x @ dequant(w)^T, blocks dequantized to float in registers");
   // For kernels/cpu_ops.cpp's DecoderLayers, which calls linear_f32 without a trip through Python.
   m.def("linear_f32_address", [] { return reinterpret_cast<int64_t>(&linear_f32); },
@@ -1395,5 +1494,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_tiled", &linear_bf16_tiled, "bf16 x @ dequant(w)^T: bf16 weight tiles in L2, brgemm");
   m.def("has_brgemm_bf16", &has_brgemm_bf16, "whether linear_bf16_tiled can run here");
   m.def("dequantize", &dequantize, "block-quantized rows -> float32 / bfloat16 [N, K]");
+  m.def("linear_dequant_gemm", &linear_dequant_gemm, "bf16 x @ dequant(w)^T: bf16 weight slices, ATen's GEMM per task");
   m.def("has_vnni", &has_vnni, "whether linear_q8 runs on AVX-512 VNNI");
 }

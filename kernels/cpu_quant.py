@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_build
 from kernels.cpu_build import load_quant
 
 
@@ -121,7 +122,12 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
                 # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time
                 # (benchmarks/quant/gemm_rows.py --dtype bfloat16: 1.9-2.1x widening at 32 rows, 4.3-4.9x at
-                # 2,048; an LM head 2.1x at 17 rows, 2.4x at 32, 3.7x at 128).
+                # 2,048; an LM head 2.1x at 17 rows, 2.4x at 32, 3.7x at 128). With the kernels' helpers
+                # on (CPUs shared with other processes, cpu_build.set_helpers), slices go to torch's
+                # thread and the helpers alike, each its own GEMM: the same bits.
+                if cpu_build.helpers():
+                    y = load_quant().linear_dequant_gemm(rows.contiguous(), blocks, kernel_id, bias)
+                    return y.reshape(*x.shape[:-1], blocks.shape[0])
                 return _sliced_gemm(x, blocks, fmt, bias)
             # Neither brgemm nor native bf16 (an AVX2 CPU): oneDNN's bf16 GEMM runs 3-8x slower than float32
             # at 16-256 rows there, so the rows are widened once and take the float32 kernels.
