@@ -32,6 +32,14 @@ a test run beside a server):
   thread to each CPU. Unbound, two threads beside two busy loops at times ran a third as fast,
   for seconds, as the scheduler placed them (LoadFollower._use has the numbers). BENCHMARKS.md
   (session 8, "Threads on shared CPUs", and sessions 18 and 19) has the measurements.
+- Helpers instead of a probe, where the engine's C++ kernels do the work (a GGUF or int8/int4
+  model: kernels/cpu_quant.cpp loaded): while the others keep CPUs busy, torch runs on the CPUs
+  they leave free and the kernels' loops on its thread plus helpers for the rest, which their
+  caller never waits for (cpu_build.set_helpers): a helper the scheduler has not run takes no
+  chunk, where an OpenMP team's join waits for its slowest thread. Beside one busy loop per CPU
+  that never fell below one thread and kept 0.4x and more of the quiet rate; on a quiet machine
+  it ran within noise of the team (BENCHMARKS.md, sessions 20 and 21), so no probe is needed:
+  the probe's own steps on the wrong count were its cost.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -140,6 +148,18 @@ def _bind_team(cpus: list[int], one_each: bool) -> None:
     cpu_ops.set_thread_cpus(cpus, one_each)
 
 
+def _set_kernel_helpers(n: int) -> None:
+    from kernels import cpu_build
+
+    cpu_build.set_helpers(n)
+
+
+def _kernel_helpers_ready() -> bool:
+    from kernels import cpu_build
+
+    return cpu_build.helpers_ready()
+
+
 def _bind_nothing(cpus: list[int], one_each: bool) -> None:
     pass
 
@@ -188,7 +208,10 @@ class LoadFollower:
     prefill under busy loops takes ~1.3 s, one sample each, and the first five steps otherwise ran
     on every CPU before the follower could act.
 
-    Quiet (the others leave every usable CPU idle): all of them. Contended, which is better, `cpus`
+    Quiet (the others leave every usable CPU idle): all of them. Contended, with the C++ kernels'
+    pool loaded (helpers_ready()): torch on `free` threads (what the others leave, at least 1) and
+    the kernels' loops on its caller plus `cpus` - 1 helpers, with no probe (the module docstring).
+    Contended without it (a float model's GEMMs are torch's): which is better, `cpus`
     threads or `free` (what the others leave, at least 1; when every sample of the window saw them
     leave none, the `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU
     and the others. Nor is the count the others take an exact measure: a server beside its benchmark
@@ -214,7 +237,8 @@ class LoadFollower:
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
-                 set_threads=None, bind=None, free_caller=None, affinity: list[int] | None = None):
+                 set_threads=None, bind=None, free_caller=None, affinity: list[int] | None = None,
+                 set_helpers=None, helpers_ready=None):
         import torch
 
         self.cpus = cpus
@@ -229,6 +253,10 @@ class LoadFollower:
         self.samples: deque[tuple[float, int]] = deque(maxlen=window)  # (when, runnable_elsewhere())
         self.sample, self.clock = sample, clock
         self.set_threads = set_threads or torch.set_num_threads
+        self.set_helpers = set_helpers or _set_kernel_helpers
+        self.helpers_ready = helpers_ready or _kernel_helpers_ready
+        self.helpers = 0  # the kernels' helper threads beside torch's (see before_step)
+        self.helped = False  # this step runs with helpers: no probe credits it
         self.threads = cpus
         self.candidates: tuple[int, ...] = (cpus,)
         self.crowded = False  # the others keep every CPU busy: every-CPU steps bind (see _use)
@@ -272,6 +300,11 @@ class LoadFollower:
         if bind:
             self._bind(True)  # every step: a thread the team gained since is bound too
 
+    def _set_helpers(self, helpers: int) -> None:
+        if helpers != self.helpers:
+            self.helpers = helpers
+            self.set_helpers(helpers)
+
     def _bind(self, one_each: bool) -> None:
         try:
             self.bind(self.affinity, one_each)
@@ -308,6 +341,14 @@ class LoadFollower:
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
         choice = self.running = self.choices[kind]
+        # Contended, with the C++ kernels doing the work: torch on the free CPUs, the kernels' loops
+        # on its thread plus a helper for every other CPU, taken only when the scheduler runs them
+        # (the module docstring says why no probe).
+        self.helped = len(self.candidates) > 1 and self.helpers_ready()
+        self._set_helpers(self.cpus - 1 if self.helped else 0)
+        if self.helped:
+            self._use(self.candidates[-1])
+            return self.threads
         if len(self.candidates) > 1:
             if now >= choice.phase_ends:
                 if choice.probing:
@@ -331,7 +372,7 @@ class LoadFollower:
             # (a tokenizer's pool, a server's) do not inherit one CPU. Its team mates stay bound.
             self.free_caller(self.affinity)
         choice = self.running
-        if not choice.probing or tokens <= 0 or seconds <= 0:
+        if self.helped or not choice.probing or tokens <= 0 or seconds <= 0:
             return
         step = (self.threads, tokens, tokens / seconds)
         last = choice.last

@@ -77,14 +77,18 @@ def _run(follower, clock, steps: int, step_s, dt: float = 0.125) -> list[int]:
     return used
 
 
-def _follower(others, cpus=2, online=2, binds=None, **kw):
+def _follower(others, cpus=2, online=2, binds=None, helpers=None, **kw):
+    """helpers: None, a model without the C++ kernels' pool (a float one): the probe; a list, one
+    with it (a GGUF): the helper counts set_helpers was given are appended to it."""
     clock, counts = _Clock(), []
     binds = [] if binds is None else binds  # (threads then, one_each) per call
     kw.setdefault("affinity", list(range(cpus)))
+    kw.setdefault("helpers_ready", lambda: helpers is not None)
     follower = LoadFollower(cpus, online=online, sample=lambda: others[0], clock=clock, set_threads=counts.append,
                             interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0,
                             bind=lambda cpus, one_each: binds.append((counts[-1], one_each)),
-                            free_caller=lambda cpus: None, **kw)  # this test thread's own mask stays
+                            free_caller=lambda cpus: None,  # this test thread's own mask stays
+                            set_helpers=helpers.append if helpers is not None else lambda n: None, **kw)
     return follower, clock, counts
 
 
@@ -237,6 +241,32 @@ def test_no_binding_where_the_count_is_not_the_mask():
     assert 1 in _run(follower, clock, 30, lambda t: 0.05) and binds == []
 
 
+@pytest.mark.parametrize("others, online, torch_threads", [(2, 2, 1), (1, 2, 1), (3, 8, 5), (8, 8, 1)])
+def test_with_the_kernels_pool_contended_steps_take_helpers_not_probes(others, online, torch_threads):
+    # A GGUF model beside other processes: torch on the CPUs they leave (at least one), the kernels'
+    # loops on its thread plus a helper for each other CPU, whatever the steps measure (here two
+    # threads would be faster: no probe runs to find out), never bound; quiet again, the team alone.
+    load, helpers, binds = [others], [], []
+    follower, clock, counts = _follower(load, cpus=online, online=online, binds=binds, helpers=helpers)
+    used = _run(follower, clock, 40, lambda t: 0.05 if t == online else 0.08)
+    assert used[:2] == [online] * 2  # until the window is full
+    assert set(used[2:]) == {torch_threads} and counts[-1] == torch_threads
+    assert helpers == [online - 1] and binds == []
+    load[0] = 0
+    used = _run(follower, clock, 20, lambda t: 0.05)
+    assert used[-1] == online and counts[-1] == online and helpers == [online - 1, 0]
+
+
+def test_helpers_join_once_the_kernels_load():
+    # The follower starts before the model's weights load its kernels: a probe may begin, and the
+    # next contended step after the load takes helpers instead.
+    ready, helpers = [False], []
+    follower, clock, _ = _follower([2], helpers=helpers, helpers_ready=lambda: ready[0])
+    assert _run(follower, clock, 4, lambda t: 0.05)[2:] == [2, 1]  # probing
+    ready[0] = True
+    assert set(_run(follower, clock, 20, lambda t: 0.05 if t == 2 else 0.08)) == {1} and helpers == [1]
+
+
 def _masks() -> dict[int, set[int]]:
     return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
 
@@ -259,7 +289,9 @@ def test_binding_sets_each_op_threads_cpu_as_the_kernel_reports():
         assert cpu_ops.set_thread_cpus(mask, False) == 2
         assert all(m == set(mask) for m in _masks().values())
 
-        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, affinity=mask[:2])
+        # (A float model's follower: with the quantized kernels' pool it takes helpers, binds nothing.)
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, affinity=mask[:2],
+                                helpers_ready=lambda: False)
         assert follower.before_step() == 2  # the probe's first count, bound
         assert os.sched_getaffinity(0) == {mask[0]} and {mask[1]} in _masks().values()
         follower.after_step(1, 0.01)
@@ -309,10 +341,32 @@ def test_the_follower_sets_torchs_thread_count():
 
     before = torch.get_num_threads()
     try:
-        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1)
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, helpers_ready=lambda: False)
         assert torch.get_num_threads() == 2
         assert follower.before_step() == 2
         follower.after_step(1, 0.01)
         assert follower.before_step() == 1 and torch.get_num_threads() == 1  # the probe's second count
     finally:
+        torch.set_num_threads(before)
+
+
+def test_the_follower_gives_the_kernels_pool_its_helpers():
+    """The real follower and the real pool: contended, torch's one thread and a helper; quiet, none."""
+    import torch
+
+    from kernels import cpu_build
+
+    if cpu_build.available() is not None:
+        pytest.skip("the CPU kernels did not build")
+    cpu_build.load_quant()
+    before, others = torch.get_num_threads(), [2]
+    try:
+        follower = LoadFollower(2, online=2, sample=lambda: others[0], window=1, interval_s=0.0)
+        assert follower.before_step() == 1 and torch.get_num_threads() == 1
+        assert cpu_build.helpers() == 1 and cpu_build.load_quant().helpers() == 1
+        others[0] = 0
+        assert follower.before_step() == 2 and torch.get_num_threads() == 2
+        assert cpu_build.helpers() == 0 and cpu_build.load_quant().helpers() == 0
+    finally:
+        cpu_build.set_helpers(0)
         torch.set_num_threads(before)

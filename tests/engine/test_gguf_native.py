@@ -147,6 +147,27 @@ def test_native_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtyp
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_kernel_helpers_generate_the_teams_tokens(tmp_path, tiny, arch):
+    """On CPUs that other processes keep busy the load follower runs torch on one thread and the C++
+    kernels' loops on it plus helpers (cpu_build.set_helpers): the numbers of torch's team of two,
+    so its tokens, in bfloat16 (prompts past 16 rows take the dequantized GEMM, in slices per
+    thread with helpers) and float32; qwen2's qkv biases and tied head included."""
+    from kernels import cpu_build
+
+    folder = tiny(arch)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, folder, arch, "Q4_1", override={"token_embd.weight": "Q8_0"})
+    for dtype in ("bfloat16", "float32"):
+        want = greedy(path, folder, dtype=dtype, num_threads=2)
+        cpu_build.set_helpers(1)
+        try:
+            got = greedy(path, folder, dtype=dtype, num_threads=1)
+        finally:
+            cpu_build.set_helpers(0)
+        assert got == want, dtype
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_native_k_quant_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtype):
     """K-quants (super-blocks of 256) served as stored give the tokens of the same file loaded with
