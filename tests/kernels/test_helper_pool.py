@@ -12,17 +12,14 @@ import torch
 import kernels
 from kernels import cpu_build, cpu_ops
 from tests.kernels.kernel_cases import make_batch
+from tests.kernels.test_cpu_kernels import to_cpu_layout
 
 if cpu_build.available() is not None:
     pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})", allow_module_level=True)
 
 
 def _attention(b):
-    nb, bs, h, d = b.k_cache.shape
-    k, v = kernels.allocate_kv_cache(nb, bs, h, d, b.k_cache.dtype, "cpu", backend="cpu")
-    k.copy_(b.k_cache)
-    v.copy_(b.v_cache)
-    b.k_cache, b.v_cache = k, v
+    b = to_cpu_layout(b)
     return lambda: kernels.paged_attention(*b.args(), backend="cpu")
 
 
