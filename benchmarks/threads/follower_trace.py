@@ -24,13 +24,15 @@ from engine.cli import main
 from engine.default_model import default_gguf_path
 
 
-def _trace_steps() -> list[tuple[str, int, int, float]]:
-    steps: list[tuple[str, int, int, float]] = []  # kind, threads, tokens, seconds
+def _trace_steps() -> list[tuple[str, str, int, float]]:
+    steps: list[tuple[str, str, int, float]] = []  # kind, how it ran, tokens, seconds
     after_step = cpu_threads.LoadFollower.after_step
 
     def traced(self, tokens, seconds):
         kind = next(k for k, c in self.choices.items() if c is self.running)
-        steps.append((kind, self.threads, tokens, seconds))
+        how = f"{self.threads} threads" + (f" + {self.helpers} helpers" if getattr(self, "helpers", 0) else "")
+        how += ", crowded" if self.crowded else ""
+        steps.append((kind, how, tokens, seconds))
         after_step(self, tokens, seconds)
 
     cpu_threads.LoadFollower.after_step = traced
@@ -42,8 +44,8 @@ def _report(steps) -> None:
     for kind, threads, tokens, seconds in steps:
         t = totals[(kind, threads)]
         t[0], t[1], t[2] = t[0] + 1, t[1] + tokens, t[2] + seconds
-    for (kind, threads), (n, tokens, seconds) in sorted(totals.items()):
-        print(f"{kind:8s} {threads} threads: {n:4d} steps {tokens:6d} tokens {seconds:6.2f} s "
+    for (kind, how), (n, tokens, seconds) in sorted(totals.items()):
+        print(f"{kind:8s} {how:32s}: {n:4d} steps {tokens:6d} tokens {seconds:6.2f} s "
               f"{tokens / seconds:7.0f} tok/s", file=sys.stderr)
 
 

@@ -4,7 +4,8 @@ model's Q4_1 file, 64 prompts of 128 random tokens, 128 new tokens each (greedy,
   default   the engine's own threads (the load follower)
   one       --num-threads 1
   helper    --num-threads 1 (torch's ops on the caller) and the quantized matmuls on the caller plus
-            CPUs - 1 helpers that it never waits for (load_quant().set_helpers)
+            CPUs - 1 helpers that it never waits for (cpu_build.set_helpers; kernels/cpu_ops.cpp's loops too
+            from session 21)
 
     python benchmarks/threads/helper_pool_ab.py MODE [OUT.json]
 """
@@ -22,11 +23,11 @@ def main() -> None:
     mode = sys.argv[1]
     from engine import LLM, SamplingParams
     from engine.default_model import default_gguf_path
-    from kernels.cpu_build import load_quant
+    from kernels import cpu_build
 
     llm = LLM(default_gguf_path(), **({} if mode == "default" else {"num_threads": 1}))
     if mode == "helper":
-        load_quant().set_helpers(len(os.sched_getaffinity(0)) - 1)
+        cpu_build.set_helpers(len(os.sched_getaffinity(0)) - 1)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
