@@ -339,11 +339,12 @@ def test_narrower_builds_match_dequantized_reference(isa):
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
 def test_the_helper_pool_gives_the_teams_bits(fmt):
-    """load_quant().set_helpers(n): the caller and n helpers of the extension's own take each loop's
+    """cpu_build.set_helpers(n): the caller and n helpers of the extension's own take each loop's
     chunks (a helper the scheduler has not run takes none: the caller never waits for it). Every
     output row is one thread's work either way, so the results are bit for bit those of torch's
-    OpenMP team, at one row, a few (the register kernels), 64 (the tiles), in float32 and bf16, with
-    the int16 / int8 activation kernels too; and set_helpers(0) gives the team back."""
+    OpenMP team, at one row, a few (the register kernels), 64 (the tiles, or the dequantized GEMM in
+    slices), in float32 and bf16, with the int16 / int8 activation kernels too; and set_helpers(0)
+    gives the team back."""
     _cpu_kernels_or_skip()
     quant = cpu_build.load_quant()
     blocks, _ = _weight(fmt, 200, _k(fmt, 4), seed=3)
@@ -361,12 +362,12 @@ def test_the_helper_pool_gives_the_teams_bits(fmt):
     assert len(want) >= 8
     try:
         torch.set_num_threads(1)
-        quant.set_helpers(max(1, threads - 1))
+        cpu_build.set_helpers(max(1, threads - 1))
         assert quant.helpers() == max(1, threads - 1)
         for (m, dtype, act), x, expected in want:
             assert torch.equal(cpu_quant.linear(x, blocks, fmt, None, act), expected), (m, dtype, act)
     finally:
-        quant.set_helpers(0)
+        cpu_build.set_helpers(0)
         torch.set_num_threads(threads)
     assert quant.helpers() == 0
 
