@@ -32,8 +32,8 @@ a test run beside a server):
   thread to each CPU. Unbound, two threads beside two busy loops at times ran a third as fast,
   for seconds, as the scheduler placed them (LoadFollower._use has the numbers). BENCHMARKS.md
   (session 8, "Threads on shared CPUs", and sessions 18 and 19) has the measurements.
-- Helpers instead of a probe, where the engine's C++ kernels do the work (a GGUF or int8/int4
-  model: kernels/cpu_quant.cpp loaded): while the others keep CPUs busy, torch runs on the CPUs
+- Helpers instead of a probe, where the engine's C++ kernels do the matmuls (a GGUF or int8/int4
+  model, or bf16 weights widened in them): while the others keep CPUs busy, torch runs on the CPUs
   they leave free and the kernels' loops on its thread plus helpers for the rest, which their
   caller never waits for (cpu_build.set_helpers): a helper the scheduler has not run takes no
   chunk, where an OpenMP team's join waits for its slowest thread. Beside one busy loop per CPU
@@ -154,12 +154,6 @@ def _set_kernel_helpers(n: int) -> None:
     cpu_build.set_helpers(n)
 
 
-def _kernel_helpers_ready() -> bool:
-    from kernels import cpu_build
-
-    return cpu_build.helpers_ready()
-
-
 def _bind_nothing(cpus: list[int], one_each: bool) -> None:
     pass
 
@@ -208,10 +202,10 @@ class LoadFollower:
     prefill under busy loops takes ~1.3 s, one sample each, and the first five steps otherwise ran
     on every CPU before the follower could act.
 
-    Quiet (the others leave every usable CPU idle): all of them. Contended, with the C++ kernels'
-    pool loaded (helpers_ready()): torch on `free` threads (what the others leave, at least 1) and
+    Quiet (the others leave every usable CPU idle): all of them. Contended, where the matmuls run in
+    the C++ kernels (kernel_matmuls): torch on `free` threads (what the others leave, at least 1) and
     the kernels' loops on its caller plus `cpus` - 1 helpers, with no probe (the module docstring).
-    Contended without it (a float model's GEMMs are torch's): which is better, `cpus`
+    Contended otherwise (a float model's GEMMs are torch's team's): which is better, `cpus`
     threads or `free` (what the others leave, at least 1; when every sample of the window saw them
     leave none, the `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU
     and the others. Nor is the count the others take an exact measure: a server beside its benchmark
@@ -238,7 +232,7 @@ class LoadFollower:
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
                  probe_s: float = 2.0, hold_s: float = 20.0, sample=runnable_elsewhere, clock=time.monotonic,
                  set_threads=None, bind=None, free_caller=None, affinity: list[int] | None = None,
-                 set_helpers=None, helpers_ready=None):
+                 set_helpers=None, kernel_matmuls: bool = False):
         import torch
 
         self.cpus = cpus
@@ -254,7 +248,9 @@ class LoadFollower:
         self.sample, self.clock = sample, clock
         self.set_threads = set_threads or torch.set_num_threads
         self.set_helpers = set_helpers or _set_kernel_helpers
-        self.helpers_ready = helpers_ready or _kernel_helpers_ready
+        # The model's matmuls run in the engine's C++ kernels (block-format weights on the cpu
+        # backend), whose loops helpers can join: the runner says so once the model is loaded.
+        self.kernel_matmuls = kernel_matmuls
         self.helpers = 0  # the kernels' helper threads beside torch's (see before_step)
         self.helped = False  # this step runs with helpers: no probe credits it
         self.threads = cpus
@@ -344,7 +340,7 @@ class LoadFollower:
         # Contended, with the C++ kernels doing the work: torch on the free CPUs, the kernels' loops
         # on its thread plus a helper for every other CPU, taken only when the scheduler runs them
         # (the module docstring says why no probe).
-        self.helped = len(self.candidates) > 1 and self.helpers_ready()
+        self.helped = len(self.candidates) > 1 and self.kernel_matmuls
         self._set_helpers(self.cpus - 1 if self.helped else 0)
         if self.helped:
             self._use(self.candidates[-1])

@@ -167,6 +167,10 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         pack_experts(self.model, self.backend.pack_moe_weights)
         self._quantized_activations(source)
         self._fuse_cpu_layers()
+        if self.threads is not None:  # helpers on shared CPUs join the C++ kernels' loops: worth it where
+            # those hold the matmuls (engine/cpu_threads.py)
+            self.threads.kernel_matmuls = self.backend.name == "cpu" and any(
+                getattr(m, "quant_format", None) is not None for m in self.model.modules())
         self.model.eval()
         # Logits exist on the last stage only, gathered on each of its TP ranks; one of them samples.
         self.last_stage = pp_state().rank == pp_state().size - 1

@@ -122,10 +122,6 @@ def helpers() -> int:
     return _helpers
 
 
-def helpers_ready() -> bool:
-    """Whether helpers would join any loop now: the quantized kernels' pool is loaded."""
-    return _QUANT.module is not None
-
 
 def available() -> Exception | None:
     """None when the kernels load, else the reason they do not."""

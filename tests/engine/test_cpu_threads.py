@@ -83,7 +83,7 @@ def _follower(others, cpus=2, online=2, binds=None, helpers=None, **kw):
     clock, counts = _Clock(), []
     binds = [] if binds is None else binds  # (threads then, one_each) per call
     kw.setdefault("affinity", list(range(cpus)))
-    kw.setdefault("helpers_ready", lambda: helpers is not None)
+    kw.setdefault("kernel_matmuls", helpers is not None)
     follower = LoadFollower(cpus, online=online, sample=lambda: others[0], clock=clock, set_threads=counts.append,
                             interval_s=0.25, window=3, probe_s=1.0, hold_s=5.0,
                             bind=lambda cpus, one_each: binds.append((counts[-1], one_each)),
@@ -257,13 +257,13 @@ def test_with_the_kernels_pool_contended_steps_take_helpers_not_probes(others, o
     assert used[-1] == online and counts[-1] == online and helpers == [online - 1, 0]
 
 
-def test_helpers_join_once_the_kernels_load():
-    # The follower starts before the model's weights load its kernels: a probe may begin, and the
-    # next contended step after the load takes helpers instead.
-    ready, helpers = [False], []
-    follower, clock, _ = _follower([2], helpers=helpers, helpers_ready=lambda: ready[0])
+def test_helpers_join_once_the_runner_says_the_kernels_hold_the_matmuls():
+    # The follower starts before the model loads: a probe may begin, and the next contended step
+    # after the runner sets kernel_matmuls takes helpers instead.
+    helpers = []
+    follower, clock, _ = _follower([2], helpers=helpers, kernel_matmuls=False)
     assert _run(follower, clock, 4, lambda t: 0.05)[2:] == [2, 1]  # probing
-    ready[0] = True
+    follower.kernel_matmuls = True
     assert set(_run(follower, clock, 20, lambda t: 0.05 if t == 2 else 0.08)) == {1} and helpers == [1]
 
 
@@ -289,9 +289,7 @@ def test_binding_sets_each_op_threads_cpu_as_the_kernel_reports():
         assert cpu_ops.set_thread_cpus(mask, False) == 2
         assert all(m == set(mask) for m in _masks().values())
 
-        # (A float model's follower: with the quantized kernels' pool it takes helpers, binds nothing.)
-        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, affinity=mask[:2],
-                                helpers_ready=lambda: False)
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, affinity=mask[:2])
         assert follower.before_step() == 2  # the probe's first count, bound
         assert os.sched_getaffinity(0) == {mask[0]} and {mask[1]} in _masks().values()
         follower.after_step(1, 0.01)
@@ -341,7 +339,7 @@ def test_the_follower_sets_torchs_thread_count():
 
     before = torch.get_num_threads()
     try:
-        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1, helpers_ready=lambda: False)
+        follower = LoadFollower(2, online=2, sample=lambda: 2, window=1)
         assert torch.get_num_threads() == 2
         assert follower.before_step() == 2
         follower.after_step(1, 0.01)
@@ -361,7 +359,7 @@ def test_the_follower_gives_the_kernels_pool_its_helpers():
     cpu_build.load_quant()
     before, others = torch.get_num_threads(), [2]
     try:
-        follower = LoadFollower(2, online=2, sample=lambda: others[0], window=1, interval_s=0.0)
+        follower = LoadFollower(2, online=2, sample=lambda: others[0], window=1, interval_s=0.0, kernel_matmuls=True)
         assert follower.before_step() == 1 and torch.get_num_threads() == 1
         assert cpu_build.helpers() == 1 and cpu_build.load_quant().helpers() == 1
         others[0] = 0

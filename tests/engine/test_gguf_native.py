@@ -146,6 +146,22 @@ def test_native_gguf_generates_the_dequantized_tokens(tmp_path, tiny, arch, qtyp
     assert forced_agreement(native, folder, greedy(floats, folder, dtype="bfloat16"), dtype="bfloat16") >= 0.95
 
 
+def test_the_runner_tells_the_thread_follower_where_the_matmuls_run(tmp_path, tiny):
+    """Helpers on shared CPUs join the C++ kernels' loops: the follower uses them for a GGUF's block
+    matmuls, not for a float model's, whose GEMMs are torch's team's (engine/cpu_threads.py)."""
+    from engine import LLM
+
+    folder = tiny("llama")
+    path = tmp_path / "model.gguf"
+    write_gguf(path, folder, "llama", "Q4_1")
+    for model, kernel_matmuls in ((path, True), (folder, False)):
+        llm = LLM(str(model), tokenizer=folder, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+        try:
+            assert llm.engine.runner.threads.kernel_matmuls is kernel_matmuls, model
+        finally:
+            llm.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_kernel_helpers_generate_the_teams_tokens(tmp_path, tiny, arch):
     """On CPUs that other processes keep busy the load follower runs torch on one thread and the C++
