@@ -122,7 +122,6 @@ def helpers() -> int:
     return _helpers
 
 
-
 def available() -> Exception | None:
     """None when the kernels load, else the reason they do not."""
     try:
