@@ -1,7 +1,7 @@
 """kernels/cpu_quant.cpp's helper pool serving kernels/cpu_ops.cpp's loops too (cpu_build.set_helpers):
 the caller and its helpers take each loop's chunks, and every output element is still one thread's
-work, so the results are torch's OpenMP team's bit for bit. The team here is two threads and the
-pool one thread plus one helper: both count two threads, so attention splits a lone row's keys
+work, so the results are torch's OpenMP team's bit for bit. The team here is 1 + h threads and the
+pool one thread plus h helpers: both count as many threads, so attention splits a lone row's keys
 alike (it splits one row on two KV heads for two threads, not for one)."""
 
 from __future__ import annotations
@@ -61,24 +61,25 @@ def _cases():
     }
 
 
-def test_cpu_ops_loops_through_the_pool_give_the_teams_bits():
+@pytest.mark.parametrize("helpers", [1, 3])  # 3: more threads than this machine's CPUs, chunks raced for
+def test_cpu_ops_loops_through_the_pool_give_the_teams_bits(helpers):
     cpu_build.load_quant()  # the pool lives there: with both loaded, cpu_ops' loops go through it
     threads = torch.get_num_threads()
     cases = _cases()
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(1 + helpers)
         want = {name: run() for name, run in cases.items()}
         torch.set_num_threads(1)
-        cpu_build.set_helpers(1)
+        cpu_build.set_helpers(helpers)
         quant = cpu_build.load_quant()
         for name, run in cases.items():
             before = quant.helper_chunks()
-            for _ in range(200):  # until the helper has taken part (it is never waited for)
+            for _ in range(200):  # until a helper has taken part (none is waited for)
                 got = run()
                 assert torch.equal(got, want[name]), name
                 if quant.helper_chunks() > before:
                     break
-            assert quant.helper_chunks() > before, f"{name}: the helper took no chunk in 200 calls"
+            assert quant.helper_chunks() > before, f"{name}: no helper took a chunk in 200 calls"
     finally:
         cpu_build.set_helpers(0)
         torch.set_num_threads(threads)
