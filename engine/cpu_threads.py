@@ -32,14 +32,15 @@ a test run beside a server):
   thread to each CPU. Unbound, two threads beside two busy loops at times ran a third as fast,
   for seconds, as the scheduler placed them (LoadFollower._use has the numbers). BENCHMARKS.md
   (session 8, "Threads on shared CPUs", and sessions 18 and 19) has the measurements.
-- Helpers instead of a probe, where the engine's C++ kernels do the matmuls (a GGUF or int8/int4
-  model, or bf16 weights widened in them): while the others keep CPUs busy, torch runs on the CPUs
-  they leave free and the kernels' loops on its thread plus helpers for the rest, which their
+- Helpers instead of a bound team, where the engine's C++ kernels do the matmuls (a GGUF or
+  int8/int4 model, or bf16 weights widened in them): while the others keep every CPU busy, torch
+  runs on one thread and the kernels' loops on it plus helpers for the other CPUs, which their
   caller never waits for (cpu_build.set_helpers): a helper the scheduler has not run takes no
   chunk, where an OpenMP team's join waits for its slowest thread. Beside one busy loop per CPU
-  that never fell below one thread and kept 0.4x and more of the quiet rate; on a quiet machine
-  it ran within noise of the team (BENCHMARKS.md, sessions 20 and 21), so no probe is needed:
-  the probe's own steps on the wrong count were its cost.
+  that never fell below one thread and kept 0.4x and more of the quiet rate, with no probe (the
+  probe's own steps on the wrong count were its cost); on a quiet machine it ran within noise of
+  the team (BENCHMARKS.md, sessions 20 and 21). While they leave a CPU free, the helpers are what
+  the probe weighs against the free CPUs alone.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -202,10 +203,11 @@ class LoadFollower:
     prefill under busy loops takes ~1.3 s, one sample each, and the first five steps otherwise ran
     on every CPU before the follower could act.
 
-    Quiet (the others leave every usable CPU idle): all of them. Contended, where the matmuls run in
-    the C++ kernels (kernel_matmuls): torch on `free` threads (what the others leave, at least 1) and
-    the kernels' loops on its caller plus `cpus` - 1 helpers, with no probe (the module docstring).
-    Contended otherwise (a float model's GEMMs are torch's team's): which is better, `cpus`
+    Quiet (the others leave every usable CPU idle): all of them. Crowded (below), where the matmuls
+    run in the C++ kernels (kernel_matmuls): torch on one thread and the kernels' loops on it plus
+    `cpus` - 1 helpers, with no probe (the module docstring). Otherwise contended, the probe below
+    chooses between every CPU and the free ones, where for kernel_matmuls "every CPU" means the free
+    CPUs' torch threads plus those helpers (see before_step). Contended, which is better, `cpus`
     threads or `free` (what the others leave, at least 1; when every sample of the window saw them
     leave none, the `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU
     and the others. Nor is the count the others take an exact measure: a server beside its benchmark
@@ -252,7 +254,8 @@ class LoadFollower:
         # backend), whose loops helpers can join: the runner says so once the model is loaded.
         self.kernel_matmuls = kernel_matmuls
         self.helpers = 0  # the kernels' helper threads beside torch's (see before_step)
-        self.helped = False  # this step runs with helpers: no probe credits it
+        self.helped = False  # this step runs with helpers, crowded: no probe credits it
+        self.ran = cpus  # the candidate (a count of CPUs) this step runs with
         self.threads = cpus
         self.candidates: tuple[int, ...] = (cpus,)
         self.crowded = False  # the others keep every CPU busy: every-CPU steps bind (see _use)
@@ -337,12 +340,12 @@ class LoadFollower:
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
         choice = self.running = self.choices[kind]
-        # Contended, with the C++ kernels doing the work: torch on the free CPUs, the kernels' loops
-        # on its thread plus a helper for every other CPU, taken only when the scheduler runs them
-        # (the module docstring says why no probe).
-        self.helped = len(self.candidates) > 1 and self.kernel_matmuls
-        self._set_helpers(self.cpus - 1 if self.helped else 0)
+        # Crowded, with the C++ kernels doing the matmuls: torch on one thread, the kernels' loops on
+        # it plus a helper for every other CPU, taken only when the scheduler runs them, no probe
+        # (the module docstring says why).
+        self.helped = self.crowded and len(self.candidates) > 1 and self.kernel_matmuls
         if self.helped:
+            self._set_helpers(self.cpus - 1)
             self._use(self.candidates[-1])
             return self.threads
         if len(self.candidates) > 1:
@@ -358,7 +361,18 @@ class LoadFollower:
             if choice.probing:
                 choice.threads = self.candidates[choice.probes % len(self.candidates)]
                 choice.probes += 1
-        self._use(choice.threads)
+        self.ran = choice.threads
+        if self.kernel_matmuls and len(self.candidates) > 1 and choice.threads == self.cpus:
+            # "Every CPU" for the kernels' matmuls: the free CPUs' threads plus a helper for each other
+            # CPU. Probed against the free ones alone, as the team is for torch's GEMMs: beside one
+            # busy loop on two CPUs the helper, time-shared with it, held its chunks through the
+            # loop's time slices (0.86-0.89x one thread), while beside a server's bench client it
+            # takes the CPU the client leaves idle most of the time.
+            self._set_helpers(self.cpus - 1)
+            self._use(self.candidates[-1])
+        else:
+            self._set_helpers(0)
+            self._use(choice.threads)
         return self.threads
 
     def after_step(self, tokens: int, seconds: float) -> None:
@@ -370,7 +384,7 @@ class LoadFollower:
         choice = self.running
         if self.helped or not choice.probing or tokens <= 0 or seconds <= 0:
             return
-        step = (self.threads, tokens, tokens / seconds)
+        step = (self.ran, tokens, tokens / seconds)
         last = choice.last
         if last is not None and last[0] != step[0] and max(tokens, last[1]) <= ALIKE * min(tokens, last[1]):
             every, free = (step, last) if step[0] == self.cpus else (last, step)
@@ -393,6 +407,7 @@ class LoadFollower:
         said = pick != self.cpus and not confirmed
         self.said_fewer |= said
         logger.log(logging.INFO if said else logging.DEBUG,
-                   "compute threads for %s steps: %d (with other processes running, alike steps on %d threads "
-                   "ran at %.2fx the tokens/s of %d, the median of %d pairs)", kind, pick, self.cpus, ratio, fewest,
+                   "compute threads for %s steps: %d (with other processes running, alike steps on every CPU (%d%s) "
+                   "ran at %.2fx the tokens/s of %d, the median of %d pairs)", kind, pick, self.cpus,
+                   ", the kernels' helpers beside the free ones" if self.kernel_matmuls else "", ratio, fewest,
                    len(choice.ratios))

@@ -190,8 +190,8 @@ def test_the_log_says_when_cpus_are_given_up_and_back(caplog, faster):
         _run(follower, clock, 10, lambda t: 0.05)
     said = [r.getMessage() for r in caplog.records]
     if faster == 1:
-        assert said == ["compute threads for decode steps: 1 (with other processes running, alike steps on 2 "
-                        "threads ran at 0.62x the tokens/s of 1, the median of 7 pairs)",
+        assert said == ["compute threads for decode steps: 1 (with other processes running, alike steps on every "
+                        "CPU (2) ran at 0.62x the tokens/s of 1, the median of 7 pairs)",
                         "compute threads 2 again (the other processes left)"]
     else:
         assert said == []
@@ -241,20 +241,41 @@ def test_no_binding_where_the_count_is_not_the_mask():
     assert 1 in _run(follower, clock, 30, lambda t: 0.05) and binds == []
 
 
-@pytest.mark.parametrize("others, online, torch_threads", [(2, 2, 1), (1, 2, 1), (3, 8, 5), (8, 8, 1)])
-def test_with_the_kernels_pool_contended_steps_take_helpers_not_probes(others, online, torch_threads):
-    # A GGUF model beside other processes: torch on the CPUs they leave (at least one), the kernels'
-    # loops on its thread plus a helper for each other CPU, whatever the steps measure (here two
-    # threads would be faster: no probe runs to find out), never bound; quiet again, the team alone.
-    load, helpers, binds = [others], [], []
+@pytest.mark.parametrize("online", [2, 8])
+def test_with_the_kernels_pool_crowded_steps_take_helpers_not_probes(online):
+    # A GGUF model beside processes that fill every CPU: torch on one thread, the kernels' loops on
+    # it plus a helper for each other CPU, whatever the steps measure (here the team would be faster:
+    # no probe runs to find out), never bound; quiet again, the team alone.
+    load, helpers, binds = [online], [], []
     follower, clock, counts = _follower(load, cpus=online, online=online, binds=binds, helpers=helpers)
     used = _run(follower, clock, 40, lambda t: 0.05 if t == online else 0.08)
     assert used[:2] == [online] * 2  # until the window is full
-    assert set(used[2:]) == {torch_threads} and counts[-1] == torch_threads
+    assert set(used[2:]) == {1} and counts[-1] == 1
     assert helpers == [online - 1] and binds == []
-    load[0] = 0
+    load[0] = 0  # (the window passes through "some CPUs free" on the way: a probe's steps may run)
     used = _run(follower, clock, 20, lambda t: 0.05)
-    assert used[-1] == online and counts[-1] == online and helpers == [online - 1, 0]
+    assert used[-1] == online and counts[-1] == online and helpers[0] == online - 1 and helpers[-1] == 0
+
+
+@pytest.mark.parametrize("helpers_faster", [True, False])
+@pytest.mark.parametrize("others, online, free", [(1, 2, 1), (3, 8, 5)])
+def test_with_the_kernels_pool_a_free_cpu_probes_helpers_against_none(others, online, free, helpers_faster):
+    # Others leaving CPUs free (one busy loop on two CPUs; a server's bench client): the probe weighs
+    # the free CPUs' threads plus helpers for the rest against the free CPUs' threads alone, steps
+    # alternating, and keeps the helpers only when clearly faster. Never a team of every CPU.
+    load, helpers, binds = [others], [], []
+    follower, clock, counts = _follower(load, cpus=online, online=online, binds=binds, helpers=helpers)
+    rate = {True: 0.05, False: 0.08} if helpers_faster else {True: 0.08, False: 0.05}
+    used, with_helpers = [], []
+    for _ in range(40):
+        used.append(follower.before_step())
+        with_helpers.append(follower.helpers > 0)
+        follower.after_step(10, rate[with_helpers[-1]])
+        clock.t += 0.125
+    assert set(used[2:]) == {free} and binds == []  # torch on the free CPUs throughout
+    assert with_helpers[2:10] == [True, False] * 4  # the probe
+    assert set(with_helpers[10:]) == {helpers_faster}  # then the faster, held
+    assert helpers[:2] == [online - 1, 0]
 
 
 def test_helpers_join_once_the_runner_says_the_kernels_hold_the_matmuls():
