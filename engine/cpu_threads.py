@@ -340,15 +340,11 @@ class LoadFollower:
                     else:
                         logger.debug("other processes keep ~%d of %d CPUs busy", load, self.online)
         choice = self.running = self.choices[kind]
-        # Crowded, with the C++ kernels doing the matmuls: torch on one thread, the kernels' loops on
-        # it plus a helper for every other CPU, taken only when the scheduler runs them, no probe
-        # (the module docstring says why).
+        # Crowded, with the C++ kernels doing the matmuls: every CPU as below (torch on one thread,
+        # the kernels' loops on it plus a helper for every other CPU, taken only when the scheduler
+        # runs them), no probe (the module docstring says why).
         self.helped = self.crowded and len(self.candidates) > 1 and self.kernel_matmuls
-        if self.helped:
-            self._set_helpers(self.cpus - 1)
-            self._use(self.candidates[-1])
-            return self.threads
-        if len(self.candidates) > 1:
+        if len(self.candidates) > 1 and not self.helped:
             if now >= choice.phase_ends:
                 if choice.probing:
                     # With steps longer than the probe (prefills under load), it ends after
@@ -361,8 +357,8 @@ class LoadFollower:
             if choice.probing:
                 choice.threads = self.candidates[choice.probes % len(self.candidates)]
                 choice.probes += 1
-        self.ran = choice.threads
-        if self.kernel_matmuls and len(self.candidates) > 1 and choice.threads == self.cpus:
+        self.ran = self.cpus if self.helped else choice.threads
+        if self.kernel_matmuls and len(self.candidates) > 1 and self.ran == self.cpus:
             # "Every CPU" for the kernels' matmuls: the free CPUs' threads plus a helper for each other
             # CPU. Probed against the free ones alone, as the team is for torch's GEMMs: beside one
             # busy loop on two CPUs the helper, time-shared with it, held its chunks through the

@@ -1425,9 +1425,6 @@ at::Tensor dequantize(const at::Tensor& w, int64_t fmt, int64_t K, bool bf16) {
   return out;
 }
 
-// Weight rows a linear_dequant_gemm task dequantizes and multiplies at once (bf16: 128 x K x 2
-// bytes, 144-384 KiB for the default model's layers, stays in L2).
-
 // The bf16 weight slice a linear_dequant_gemm task dequantizes and multiplies at once: about half
 // an L2 (at 64 rows of x, 64-1,024 weight rows a task measured fastest at 256-512 for K = 576, per-task
 // overhead dominating below 128, an LM head of 49,152 rows included).

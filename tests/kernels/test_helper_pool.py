@@ -31,12 +31,9 @@ def _cases():
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     n = 150  # rows: past every op's grain (rotary's: 64 tokens), so each takes several chunks
-    x = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
-    res = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
-    w = torch.randn(576, generator=gen).to(torch.bfloat16)
-    q = torch.randn(n, 9, 64, generator=gen).to(torch.bfloat16)
+    x, res, w, q = bf16(n, 576), bf16(n, 576), bf16(576), bf16(n, 9, 64)
     cos, sin = bf16(n, 32), bf16(n, 32)
-    gate_up = torch.randn(n, 2 * 1536, generator=gen).to(torch.bfloat16)
+    gate_up = bf16(n, 2 * 1536)
     logits = torch.randn(n, 4999, generator=gen)
     cache = kernels.allocate_kv_cache(16, 16, 3, 64, torch.bfloat16, "cpu", backend="cpu")
     kv = bf16(n, 3, 64), bf16(n, 3, 64)
@@ -63,7 +60,7 @@ def _cases():
 
 @pytest.mark.parametrize("helpers", [1, 3])  # 3: more threads than this machine's CPUs, chunks raced for
 def test_cpu_ops_loops_through_the_pool_give_the_teams_bits(helpers):
-    cpu_build.load_quant()  # the pool lives there: with both loaded, cpu_ops' loops go through it
+    quant = cpu_build.load_quant()  # the pool lives there: with both loaded, cpu_ops' loops go through it
     threads = torch.get_num_threads()
     cases = _cases()
     try:
@@ -71,7 +68,6 @@ def test_cpu_ops_loops_through_the_pool_give_the_teams_bits(helpers):
         want = {name: run() for name, run in cases.items()}
         torch.set_num_threads(1)
         cpu_build.set_helpers(helpers)
-        quant = cpu_build.load_quant()
         for name, run in cases.items():
             before = quant.helper_chunks()
             for _ in range(200):  # until a helper has taken part (none is waited for)
@@ -83,7 +79,7 @@ def test_cpu_ops_loops_through_the_pool_give_the_teams_bits(helpers):
     finally:
         cpu_build.set_helpers(0)
         torch.set_num_threads(threads)
-    assert cpu_build.load_quant().helpers() == 0
+    assert quant.helpers() == 0
 
 
 @pytest.mark.parametrize("rows", [17, 64, 300])
