@@ -141,11 +141,13 @@ class EngineConfig:
                                       "integer dot products, relative error ~2e-5; AVX2 builds), int8 "
                                       "(llama.cpp's scheme: faster on Q4, perplexity +0.5-1 percent), or float (the "
                                       "dequantized weights' numbers to summation order)")
-    cpu_bf16_weights: bool = _knob(True, "cpu backend, float32 model (or bfloat16 on a CPU without native bf16 "
-                                         "matmuls, AVX2): a checkpoint's bfloat16 matrices (safetensors or a BF16 "
-                                         ".gguf) stay bfloat16 in memory, half of float32's bytes, and the C++ matmul "
-                                         "kernels widen them in registers (the same values; sums in another order); "
-                                         "off: converted to float32 (or held for oneDNN's bf16 matmul) at load")
+    cpu_bf16_weights: bool = _knob(True, "cpu backend, float32 model, or bfloat16 on a CPU without AMX: a "
+                                         "checkpoint's bfloat16 matrices (safetensors or a BF16 .gguf) stay as stored, "
+                                         "half of float32's bytes, for the C++ matmul kernels: a float32 model widens "
+                                         "them in registers (the same values; sums in another order), a bfloat16 one "
+                                         "takes bf16 dot products at one or two rows (AVX512_BF16) and oneDNN's GEMM on "
+                                         "them as stored beyond; off: converted to float32, or (bfloat16) packed for "
+                                         "oneDNN's matmul at load (faster batched, slower at one sequence)")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
                                           "use, its affinity capped by its cgroup CPU quota; fewer while other "
                                           "processes keep them busy and fewer measure faster; bound one to each CPU "

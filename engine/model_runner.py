@@ -78,6 +78,12 @@ def _native_bf16_matmul() -> bool:
     return cpu_ops.native_bf16_matmul()
 
 
+def _bf16_brgemm() -> bool:
+    from kernels import cpu_quant
+
+    return cpu_quant.has_brgemm_bf16()
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> torch.dtype:
     """kv_cache_dtype -> the cache's element dtype: "auto" is the model's, "fp8" is e4m3 (vLLM's
     meaning), where the backend can keep it (else ValueError naming the flag)."""
@@ -157,10 +163,13 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         with torch.device(self.device), _default_dtype(self.dtype):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
-        # On the cpu backend bf16 checkpoint matrices stay as stored, widened in its kernels: in a float32
-        # model, and in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower there).
+        # On the cpu backend bf16 checkpoint matrices stay as stored for its kernels: in a float32 model
+        # (widened there); in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower
+        # there: widened too) or has it without AMX, where a decode row's bf16 dot products run 1.1-1.7x
+        # oneDNN's call on its packed copy (kernels/cpu_quant.cpp, kBF16DotRows). With AMX oneDNN's packed
+        # copy stays (not measured here).
         keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and (
-            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not _native_bf16_matmul()))
+            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not _bf16_brgemm()))
         load_weights(self.model, checkpoint_tensors(source, keep_bf16))
         pack_weights(self.model, self.backend.pack_linear_weight,
                      lambda fmt, blocks: fmt.pack(blocks, self.backend.name))

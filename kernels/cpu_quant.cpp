@@ -1113,6 +1113,103 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 
 #endif
 
+// ---- bf16 rows against BF16 weights: bf16 dot products (AVX512_BF16) ---------------------------
+//
+// A bfloat16 model's bf16 checkpoint matrices held as stored (engine/weights.py KeepBF16) at the
+// register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations a instruction, in
+// float32 (a bf16 product is exact in float32; the pairs' sums round as FMAs do), where linear_f32
+// widens both to float32 first. The matmul oneDNN would run instead, on its packed copy, costs
+// ~12 us a call at one row beyond reading the weight: 1.15-1.7x this kernel's time at the default
+// model's layer shapes (benchmarks/quant/bf16_rows.py; BENCHMARKS.md, session 22).
+// Rows past these take oneDNN's bf16 GEMM on the weight as stored (at::linear), whose fixed cost
+// per call their share of its speed repays: at 4 rows this kernel took 0.79-1.7x its time on the
+// default model's shapes (it sums each weight row's products across a vector, a reduction per
+// output that GEMMs do not pay), at 2 rows 0.75-1.16x.
+constexpr int64_t kBF16DotRows = 2;
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// R activation rows (stride K) against W weight rows (stride K), K a multiple of 32: out[j * R + r].
+template <int R, int W>
+inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out) {
+  __m512 acc[W][R];
+  for (int j = 0; j < W; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = _mm512_loadu_si512(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * K + k));
+      for (int j = 0; j < W; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], reinterpret_cast<__m512bh>(wv[j]), xv);
+    }
+  }
+  for (int j = 0; j < W; ++j)
+    for (int r = 0; r < R; ++r) out[j * R + r] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+// W weight rows at a time: 4 for one or two activation rows (four independent sums to cover the
+// instruction's latency and four weight streams), 2 for more (R x 2 accumulators: 16 of 32
+// registers at 8 rows).
+template <int R>
+inline void dot_bf16_rows(const uint16_t* w, int64_t n0, int64_t n1, const uint16_t* x, int64_t K, int64_t N,
+                          c10::BFloat16* y) {
+  constexpr int W = R <= 2 ? 4 : 2;
+  float o[W * R];
+  int64_t n = n0;
+  const auto store = [&](int64_t at, int rows_w) {
+    for (int j = 0; j < rows_w; ++j)
+      for (int r = 0; r < R; ++r) y[r * N + at + j] = c10::BFloat16(o[j * R + r]);
+  };
+  for (; n + W <= n1; n += W) {
+    dot_bf16<R, W>(w + n * K, x, K, o);
+    store(n, W);
+  }
+  for (; n < n1; ++n) {
+    dot_bf16<R, 1>(w + n * K, x, K, o);
+    store(n, 1);
+  }
+}
+
+void linear_bf16_dots_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t M, int64_t N,
+                           int64_t K) {
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+  parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    // Groups of 8 activation rows, then of at most 4, against the task's weight rows, which stay in
+    // L1 from one group to the next.
+    for (int64_t m = 0, rows = 0; m < M; m += rows) {
+      rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
+      const uint16_t* xm = xb + m * K;
+      c10::BFloat16* ym = y + m * N;
+      switch (rows) {
+        case 8: dot_bf16_rows<8>(wb, n0, n1, xm, K, N, ym); break;
+        case 4: dot_bf16_rows<4>(wb, n0, n1, xm, K, N, ym); break;
+        case 3: dot_bf16_rows<3>(wb, n0, n1, xm, K, N, ym); break;
+        case 2: dot_bf16_rows<2>(wb, n0, n1, xm, K, N, ym); break;
+        default: dot_bf16_rows<1>(wb, n0, n1, xm, K, N, ym); break;
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+bool has_bf16_dots() {
+  static const bool native = __builtin_cpu_supports("avx512bf16");
+  return native;
+}
+
+#else
+
+bool has_bf16_dots() { return false; }
+
+void linear_bf16_dots_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "bf16 dot products need the AVX-512 build");
+}
+
+#endif
+
 template <typename Fn>
 void by_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
@@ -1139,6 +1236,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, fmt, K);
   auto y = at::empty({M, N}, x.options());
+  if (bf16 && fmt == kBF16 && has_bf16_dots()) {  // bf16 by bf16, nothing to decode (above)
+    if (M > kBF16DotRows) return at::linear(x, w.view(at::kBFloat16).view({N, K}));
+    linear_bf16_dots_impl(x.data_ptr<c10::BFloat16>(), w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
+    return y;
+  }
   std::vector<float> widened;
   const float* xf = nullptr;
   if (bf16) {
@@ -1486,6 +1588,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the address of linear_q16 (the same process and libtorch)");
   m.def("has_int16_dots", &has_int16_dots, "whether linear_q16 runs on this build");
   m.def("has_int8_dots", &has_int8_dots, "whether linear_q8 has integer dot products on this build and CPU");
+  m.def("has_bf16_dots", &has_bf16_dots, "whether linear_f32 multiplies bf16 rows by BF16 weights in bf16 dot products here");
   m.def("linear_q8", &linear_q8, "x @ dequant(w)^T with x quantized to int8 per 32-block (integer dots)");
   m.def("linear_f32_tiled", &linear_f32_tiled, "float32 x @ dequant(w)^T: float weight tiles in L2, sgemm");
   m.def("linear_bf16_tiled", &linear_bf16_tiled, "bf16 x @ dequant(w)^T: bf16 weight tiles in L2, brgemm");

@@ -118,6 +118,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     if not small:
         if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
             if native_bf16_matmul():
+                if fmt == "BF16" and not cpu_build.helpers():
+                    return F.linear(x, bf16_matrix(blocks), bias)  # nothing to decode: oneDNN on the weight as stored
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
                 # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time
@@ -153,6 +155,11 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+
+
+def bf16_matrix(blocks: torch.Tensor) -> torch.Tensor:
+    """BF16 blocks [N, K * 2] uint8 as the bfloat16 matrix [N, K] they hold (a view: no copy)."""
+    return blocks.view(torch.bfloat16)
 
 
 def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:

@@ -82,20 +82,21 @@ def test_bf16_gguf_generates_transformers_tokens(tmp_path, bf16_folder):
 
 def test_engine_knob_reaches_the_loader(bf16_folder):
     """cpu_bf16_weights=False converts the matrices to float32 at load; a bfloat16 model (--dtype)
-    keeps them as blocks where the CPU has no native bf16 matmul (an AVX2 CPU), else holds bf16
-    weights of its own for oneDNN; "auto" is a bfloat16 model for this bf16 checkpoint where the CPU
-    has native bf16 matmuls, a float32 one where not."""
+    keeps them as blocks except where oneDNN has its bf16 brgemm (AMX), which holds bf16 weights of
+    its own; "auto" is a bfloat16 model for this bf16 checkpoint where the CPU has native bf16
+    matmuls, a float32 one where not."""
     from engine import LLM
 
     from kernels.cpu_ops import native_bf16_matmul
+    from kernels.cpu_quant import has_brgemm_bf16
 
-    without_native = not native_bf16_matmul()
+    without_brgemm = not has_brgemm_bf16()
     auto = torch.bfloat16 if native_bf16_matmul() else torch.float32
     for config, kept, dtype in (({"dtype": "float32"}, True, torch.float32),
                                 ({"dtype": "float32", "cpu_bf16_weights": False}, False, torch.float32),
-                                ({"dtype": "bfloat16"}, without_native, torch.bfloat16),
+                                ({"dtype": "bfloat16"}, without_brgemm, torch.bfloat16),
                                 ({"dtype": "bfloat16", "cpu_bf16_weights": False}, False, torch.bfloat16),
-                                ({}, without_native, auto)):
+                                ({}, without_brgemm, auto)):
         llm = LLM(bf16_folder, device="cpu", num_kv_blocks=16, max_model_len=128, **config)
         try:
             assert llm.engine.runner.dtype == dtype, config
@@ -138,6 +139,34 @@ def test_bfloat16_model_without_native_bf16_keeps_blocks(family, bf16_folder, bf
         extra = {"experts_implementation": "eager"} if family == "mixtral" else {}
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **extra).eval()
         assert_first_tokens_close(llm, hf, PROMPTS + [list(range(100, 140)), list(range(7, 70, 2))])
+    finally:
+        llm.shutdown()
+
+
+def test_bfloat16_model_with_native_bf16_keeps_blocks(bf16_folder):
+    """A bfloat16 model on a CPU with native bf16 matmuls but no AMX (Zen 4/5) keeps the checkpoint's
+    matrices as stored too: one or two rows take bf16 dot products on them (kernels/cpu_quant.cpp,
+    kBF16DotRows), more oneDNN's bf16 GEMM on the matrices as they are, inside the fused layers up to
+    16 rows; the tied LM head reads the embedding's blocks (the vocabulary held once, no oneDNN copy).
+    One sequence a step (max_num_seqs=1), so prompts of 1, 2 and 5 tokens are steps of that many rows.
+    First tokens and logprobs stay those of transformers in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from kernels.cpu_ops import native_bf16_matmul
+    from kernels.cpu_quant import has_brgemm_bf16
+    from tests.engine.hf_oracle import assert_first_tokens_close
+
+    if not native_bf16_matmul() or has_brgemm_bf16():
+        pytest.skip("for CPUs with native bf16 matmuls and no bf16 brgemm (AVX512_BF16 without AMX)")
+    llm = LLM(bf16_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256, max_num_seqs=1)
+    try:
+        model = llm.engine.runner.model
+        assert model.model.layers["0"].self_attn.qkv_proj.quant_format.name == "BF16"
+        assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.packed_weight is None
+        hf = AutoModelForCausalLM.from_pretrained(bf16_folder, dtype=torch.bfloat16).eval()
+        assert_first_tokens_close(llm, hf, PROMPTS + [[31, 32], list(range(100, 140))])
+        assert model.model.fused_layers.steps >= 3  # the 1-, 2- and 5-token prompts
     finally:
         llm.shutdown()
 
