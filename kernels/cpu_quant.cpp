@@ -1119,14 +1119,13 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 // register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations a instruction, in
 // float32 (a bf16 product is exact in float32; the pairs' sums round as FMAs do), where linear_f32
 // widens both to float32 first. The matmul oneDNN would run instead, on its packed copy, costs
-// ~12 us a call at one row beyond reading the weight: 1.15-1.7x this kernel's time at the default
-// model's layer shapes (benchmarks/quant/bf16_rows.py; BENCHMARKS.md, session 22).
-// Rows past these take oneDNN's bf16 GEMM on the weight as stored (at::linear), whose fixed cost
-// per call their share of its speed repays: at 4 rows this kernel took 0.79-1.7x its time on the
-// default model's shapes (it sums each weight row's products across a vector, a reduction per
-// output that GEMMs do not pay), at 2 rows 0.75-1.16x.
-constexpr int64_t kBF16DotRows = 2;
-
+// ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel ran
+// 1.1-1.8x its speed at one or two rows, 0.9-1.5x at 3-8, 0.7-1.2x at 16, and oneDNN's GEMM on the
+// matrix as stored (what more rows take, cpu_quant.linear) 0.6-0.9x at 1-16 (cold weights; the LM
+// head's 49152 x 576: 1.13x at one row, 0.73-0.79x at 3-8, 0.48x at 16, where the GEMM's 0.65x wins:
+// cpu_quant.register_rows; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Each weight
+// row's next group is prefetched a step ahead (without: 0.58x at 4 rows on the 3072 x 576 shape; a
+// prefetch past the matrix's end does not fault).
 #if defined(CPU_CAPABILITY_AVX512)
 
 #pragma GCC push_options
@@ -1139,7 +1138,10 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512i wv[W];
-    for (int j = 0; j < W; ++j) wv[j] = _mm512_loadu_si512(w + j * K + k);
+    for (int j = 0; j < W; ++j) {
+      wv[j] = _mm512_loadu_si512(w + j * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (W + j) * K + k), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * K + k));
       for (int j = 0; j < W; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], reinterpret_cast<__m512bh>(wv[j]), xv);
@@ -1237,7 +1239,6 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   check_weight(w, fmt, K);
   auto y = at::empty({M, N}, x.options());
   if (bf16 && fmt == kBF16 && has_bf16_dots()) {  // bf16 by bf16, nothing to decode (above)
-    if (M > kBF16DotRows) return at::linear(x, w.view(at::kBFloat16).view({N, K}));
     linear_bf16_dots_impl(x.data_ptr<c10::BFloat16>(), w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
     return y;
   }
