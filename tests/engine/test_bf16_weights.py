@@ -127,7 +127,7 @@ def test_bfloat16_model_without_native_bf16_keeps_blocks(family, bf16_folder, bf
     from tests.engine.hf_oracle import assert_first_tokens_close
 
     if native_bf16_matmul():
-        pytest.skip("this CPU multiplies bf16 natively: a bfloat16 model keeps oneDNN's bf16 weights")
+        pytest.skip("this CPU multiplies bf16 natively (test_bfloat16_model_with_native_bf16_keeps_blocks)")
     path = bf16_folder if family == "llama" else bf16_mixtral
     llm = LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
     try:
