@@ -1117,15 +1117,15 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 //
 // A bfloat16 model's bf16 checkpoint matrices held as stored (engine/weights.py KeepBF16) at the
 // register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations a instruction, in
-// float32 (a bf16 product is exact in float32; the pairs' sums round as FMAs do), where linear_f32
+// float32 (a bf16 product is exact in float32; the pairs' sums round as FMAs do, denormals flushed
+// to zero), where linear_f32
 // widens both to float32 first. The matmul oneDNN would run instead, on its packed copy, costs
 // ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel ran
-// 1.1-1.8x its speed at one or two rows, 0.9-1.5x at 3-8, 0.7-1.2x at 16, and oneDNN's GEMM on the
-// matrix as stored (what more rows take, cpu_quant.linear) 0.6-0.9x at 1-16 (cold weights; the LM
-// head's 49152 x 576: 1.13x at one row, 0.73-0.79x at 3-8, 0.48x at 16, where the GEMM's 0.65x wins:
-// cpu_quant.register_rows; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Each weight
-// row's next group is prefetched a step ahead (without: 0.58x at 4 rows on the 3072 x 576 shape; a
-// prefetch past the matrix's end does not fault).
+// 1.1-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the matrix
+// as stored (what more rows take, cpu_quant.linear) ran 0.6-0.8x (cold weights; the 49152 x 576 LM
+// head: 1.13x at one row, 0.85-1.0x at 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md
+// session 22). Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on
+// the 3072 x 576 shape; a prefetch past the matrix's end does not fault).
 #if defined(CPU_CAPABILITY_AVX512)
 
 #pragma GCC push_options
@@ -1151,13 +1151,15 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out
     for (int r = 0; r < R; ++r) out[j * R + r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
-// W weight rows at a time: 4 for one or two activation rows (four independent sums to cover the
-// instruction's latency and four weight streams), 2 for more (R x 2 accumulators: 16 of 32
-// registers at 8 rows).
+// W weight rows at a time: 4 up to 4 activation rows (four independent sums to cover the
+// instruction's latency at one row, four weight streams), 3 at 8 (24 accumulators of 32 registers).
+// Against 2 at every row count (one run each, cold weights): at 8 rows 3 ran 1.1-1.3x as fast (the LM
+// head 0.94x oneDNN's packed call against 0.68x), at 3-4 rows 4 ran 1.1-1.35x on three shapes of five,
+// 0.76-0.97x on the other two.
 template <int R>
 inline void dot_bf16_rows(const uint16_t* w, int64_t n0, int64_t n1, const uint16_t* x, int64_t K, int64_t N,
                           c10::BFloat16* y) {
-  constexpr int W = R <= 2 ? 4 : 2;
+  constexpr int W = R <= 4 ? 4 : 3;
   float o[W * R];
   int64_t n = n0;
   const auto store = [&](int64_t at, int rows_w) {
@@ -1179,18 +1181,23 @@ void linear_bf16_dots_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
   parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-    // Groups of 8 activation rows, then of at most 4, against the task's weight rows, which stay in
-    // L1 from one group to the next.
-    for (int64_t m = 0, rows = 0; m < M; m += rows) {
-      rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
-      const uint16_t* xm = xb + m * K;
-      c10::BFloat16* ym = y + m * N;
-      switch (rows) {
-        case 8: dot_bf16_rows<8>(wb, n0, n1, xm, K, N, ym); break;
-        case 4: dot_bf16_rows<4>(wb, n0, n1, xm, K, N, ym); break;
-        case 3: dot_bf16_rows<3>(wb, n0, n1, xm, K, N, ym); break;
-        case 2: dot_bf16_rows<2>(wb, n0, n1, xm, K, N, ym); break;
-        default: dot_bf16_rows<1>(wb, n0, n1, xm, K, N, ym); break;
+    // kRowsPerTask weight rows at a time (a thread's range can be half the matrix) against groups of 8
+    // activation rows, then of at most 4: those weight rows stay in L1 from one group to the next
+    // (over the whole range they were read again from memory per group: at 64 rows 0.67x oneDNN's
+    // packed call on 3072 x 576, where the 576-row shapes ran 0.93-1.03x).
+    for (int64_t c0 = n0; c0 < n1; c0 += kRowsPerTask) {
+      const int64_t c1 = std::min(c0 + kRowsPerTask, n1);
+      for (int64_t m = 0, rows = 0; m < M; m += rows) {
+        rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
+        const uint16_t* xm = xb + m * K;
+        c10::BFloat16* ym = y + m * N;
+        switch (rows) {
+          case 8: dot_bf16_rows<8>(wb, c0, c1, xm, K, N, ym); break;
+          case 4: dot_bf16_rows<4>(wb, c0, c1, xm, K, N, ym); break;
+          case 3: dot_bf16_rows<3>(wb, c0, c1, xm, K, N, ym); break;
+          case 2: dot_bf16_rows<2>(wb, c0, c1, xm, K, N, ym); break;
+          default: dot_bf16_rows<1>(wb, c0, c1, xm, K, N, ym); break;
+        }
       }
     }
   });

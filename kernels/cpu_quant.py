@@ -108,7 +108,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     takes_activations)."""
     kernel_id = _check(blocks, fmt)
     rows = x.reshape(-1, x.shape[-1])
-    small = register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16, fmt)
+    small = register_rows(rows.shape[0], blocks.shape[0] * rows.shape[1], x.dtype == torch.bfloat16)
     if small and activations is not None and rows.shape[0] <= ACTIVATION_ROWS[activations] and \
             x.dtype in (torch.float32, torch.bfloat16):
         y = getattr(load_quant(), ACTIVATION_KERNELS[activations])(rows.contiguous(), blocks, kernel_id)
@@ -208,13 +208,12 @@ def _tiled(rows: int, weights: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def register_rows(rows: int, weights: int, bf16: bool, fmt: str | None = None) -> bool:
-    """Whether the register kernel takes `rows` of weight format `fmt`: up to DEQUANT_GEMM_ROWS, but for
-    bf16 rows against a weight too big for cache (an LM head) only up to LARGE_REGISTER_ROWS, past which
-    the tiled kernel's one dequantization beats the register kernel's pass per 4 rows (measured, cold
-    cache: 49152 x 576 Q8_0 at 16 rows 8.3 vs 5.0 ms, at 8 rows 4.4 vs 4.7), and BF16 weights' bf16
-    dot products lose to oneDNN's GEMM on the matrix as stored (49152 x 576 at 16 rows 3.6 vs 2.6 ms)."""
-    if bf16 and weights >= TILED_GEMM_WEIGHTS and (has_brgemm_bf16() or (fmt == "BF16" and has_bf16_dots())):
+def register_rows(rows: int, weights: int, bf16: bool) -> bool:
+    """Whether the register kernel takes `rows`: up to DEQUANT_GEMM_ROWS, but for bf16 rows against a
+    weight too big for cache (an LM head) only up to LARGE_REGISTER_ROWS, past which the tiled
+    kernel's one dequantization beats the register kernel's pass per 4 rows (measured, cold cache:
+    49152 x 576 Q8_0 at 16 rows 8.3 vs 5.0 ms, at 8 rows 4.4 vs 4.7)."""
+    if bf16 and weights >= TILED_GEMM_WEIGHTS and has_brgemm_bf16():
         return rows <= LARGE_REGISTER_ROWS
     return rows <= DEQUANT_GEMM_ROWS
 

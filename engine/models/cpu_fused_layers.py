@@ -118,8 +118,7 @@ class CpuFusedLayers:
                         ok = ok and m.weight.dtype == hidden.dtype
                         continue
                     weights = m.weight.shape[0] * m.quant_format.in_features(m.weight.shape[1])
-                    ok = ok and cpu_quant.register_rows(hidden.shape[0], weights, hidden.dtype == torch.bfloat16,
-                                                        m.quant_format.name)
+                    ok = ok and cpu_quant.register_rows(hidden.shape[0], weights, hidden.dtype == torch.bfloat16)
             self._rows_ok[key] = ok
         return self._rows_ok[key]
 

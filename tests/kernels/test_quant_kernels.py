@@ -215,14 +215,14 @@ def test_lm_head_sized_weight_past_the_register_rows():
         assert ((got.double() - x.double() @ wd.double().T).abs() <= _tolerance(x, wd, 2 * 2.0 ** -8)).all(), m
 
 
-def test_lm_head_sized_bf16_matrix_past_the_register_rows(monkeypatch):
-    """A BF16 matrix of TILED_GEMM_WEIGHTS or more under bf16 rows, on a CPU with bf16 dot products:
-    up to LARGE_REGISTER_ROWS rows take them, more oneDNN's GEMM on the matrix as stored (no copy of it
-    is made: F.linear is handed the blocks' own storage); both sides match the reference."""
+def test_bf16_matrix_past_the_register_rows(monkeypatch):
+    """A BF16 matrix under bf16 rows, on a CPU with bf16 dot products: up to DEQUANT_GEMM_ROWS rows take
+    them, one more oneDNN's GEMM on the matrix as stored (F.linear handed the blocks' own storage, no
+    copy); both sides match the float64 product within the output's rounding."""
     _cpu_kernels_or_skip()
     if not cpu_quant.has_bf16_dots() or cpu_quant.has_brgemm_bf16():
         pytest.skip("for CPUs with bf16 dot products and no bf16 brgemm (AVX512_BF16 without AMX)")
-    n, k = cpu_quant.TILED_GEMM_WEIGHTS // 512, 512
+    n, k = 101, 576
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
     blocks = w.view(torch.uint8)
     handed = []
@@ -233,11 +233,12 @@ def test_lm_head_sized_bf16_matrix_past_the_register_rows(monkeypatch):
         return linear(x, weight, bias)
 
     monkeypatch.setattr(cpu_quant.F, "linear", spy)
-    for m in (cpu_quant.LARGE_REGISTER_ROWS, cpu_quant.LARGE_REGISTER_ROWS + 1):
+    for m in (cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         got = cpu_quant.linear(x, blocks, "BF16")
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w.float(), 2.0 ** -8)).all(), m
-    assert len(handed) == 1 and handed[0].data_ptr() == blocks.data_ptr()
+        assert len(handed) == (m > cpu_quant.DEQUANT_GEMM_ROWS), m
+    assert handed[0].data_ptr() == blocks.data_ptr()
 
 
 def test_cpu_linear_takes_leading_dims():
