@@ -1202,6 +1202,103 @@ void linear_bf16_dots_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat
     }
   });
 }
+// ---- many rows: pairs of 16 weight rows transposed once, outer products without reductions ----
+//
+// Pair p (inputs 2p, 2p + 1) of 16 weight rows as one vector, lane j row j's pair: out[p].
+inline void transpose_pairs(const uint16_t* w, int64_t K, int64_t k, __m512i out[16]) {
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(w + j * K + k);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + q], 128-bit lane L: pair 4L + q of rows 4i..4i+3.
+  for (int q = 0; q < 4; ++q) {
+    const __m512i x = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88), y = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xdd);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xdd);
+    out[q] = _mm512_shuffle_i32x4(x, x2, 0x88);
+    out[8 + q] = _mm512_shuffle_i32x4(x, x2, 0xdd);
+    out[4 + q] = _mm512_shuffle_i32x4(y, y2, 0x88);
+    out[12 + q] = _mm512_shuffle_i32x4(y, y2, 0xdd);
+  }
+}
+
+// G activation rows (stride K) against the 32 weight rows whose pairs buf holds ([2][P] vectors):
+// per pair two vector loads, G broadcasts and 2G dot products, each output's sum in one lane (no
+// reduction), 16 outputs a store.
+template <int G>
+inline void outer_rows(const __m512i* buf, int64_t P, const int32_t* x, c10::BFloat16* y, int64_t N) {
+  __m512 acc[2][G];
+  for (int b = 0; b < 2; ++b)
+    for (int r = 0; r < G; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512bh t0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(buf + p));
+    const __m512bh t1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(buf + P + p));
+    for (int r = 0; r < G; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[r * P + p]));
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], t0, xv);
+      acc[1][r] = _mm512_dpbf16_ps(acc[1][r], t1, xv);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int b = 0; b < 2; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + 16 * b),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[b][r])));
+}
+
+// Weight rows n .. n + 31 against every activation row: the two blocks' pairs transposed once into
+// buf, then activation rows in groups of 12 (24 accumulators), the rest in groups of 4 and 1-3.
+void outer_block(const uint16_t* w, const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n,
+                 c10::BFloat16* y, __m512i* buf) {
+  const int64_t P = K / 2;
+  for (int b = 0; b < 2; ++b)
+    for (int64_t k = 0; k < K; k += 32) transpose_pairs(w + (n + 16 * b) * K, K, k, buf + b * P + k / 2);
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  for (int64_t m = 0, rows = 0; m < M; m += rows) {
+    rows = M - m >= 12 ? 12 : M - m >= 4 ? 4 : M - m;
+    const int32_t* xm = xp + m * P;
+    c10::BFloat16* ym = y + m * N + n;
+    switch (rows) {
+      case 12: outer_rows<12>(buf, P, xm, ym, N); break;
+      case 4: outer_rows<4>(buf, P, xm, ym, N); break;
+      case 3: outer_rows<3>(buf, P, xm, ym, N); break;
+      case 2: outer_rows<2>(buf, P, xm, ym, N); break;
+      default: outer_rows<1>(buf, P, xm, ym, N); break;
+    }
+  }
+}
+
+void linear_bf16_outer_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t M, int64_t N,
+                            int64_t K) {
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+  const int64_t whole = N / 32 * 32;
+  parallel_for(0, whole / 32, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<__m512i> buf(K);  // two blocks' transposed pairs: 2 x K / 2 vectors
+    for (int64_t b = b0; b < b1; ++b) outer_block(wb, xb, M, K, N, 32 * b, y, buf.data());
+  });
+  if (whole < N) {  // the last < 32 weight rows: the dot kernel
+    for (int64_t m = 0, rows = 0; m < M; m += rows) {
+      rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
+      const uint16_t* xm = xb + m * K;
+      c10::BFloat16* ym = y + m * N;
+      switch (rows) {
+        case 8: dot_bf16_rows<8>(wb, whole, N, xm, K, N, ym); break;
+        case 4: dot_bf16_rows<4>(wb, whole, N, xm, K, N, ym); break;
+        case 3: dot_bf16_rows<3>(wb, whole, N, xm, K, N, ym); break;
+        case 2: dot_bf16_rows<2>(wb, whole, N, xm, K, N, ym); break;
+        default: dot_bf16_rows<1>(wb, whole, N, xm, K, N, ym); break;
+      }
+    }
+  }
+}
 #pragma GCC pop_options
 
 bool has_bf16_dots() {
@@ -1214,6 +1311,10 @@ bool has_bf16_dots() {
 bool has_bf16_dots() { return false; }
 
 void linear_bf16_dots_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "bf16 dot products need the AVX-512 build");
+}
+
+void linear_bf16_outer_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "bf16 dot products need the AVX-512 build");
 }
 
@@ -1268,6 +1369,18 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
       y.copy_(yf);
     } else linear_f32_impl<f>(xf, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
   });
+  return y;
+}
+
+// bf16 x [M, K] by BF16 blocks w [N, K * 2] -> bf16 [M, N], for the rows past the register kernel's
+// where oneDNN's GEMM on the matrix as stored is slower (kernels/cpu_quant.py BF16_OUTER_ROWS).
+at::Tensor linear_bf16_outer(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(has_bf16_dots(), "linear_bf16_outer needs AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, kBF16, K);
+  auto y = at::empty({M, N}, x.options());
+  linear_bf16_outer_impl(x.data_ptr<c10::BFloat16>(), w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), M, N, K);
   return y;
 }
 
@@ -1596,6 +1709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the address of linear_q16 (the same process and libtorch)");
   m.def("has_int16_dots", &has_int16_dots, "whether linear_q16 runs on this build");
   m.def("has_int8_dots", &has_int8_dots, "whether linear_q8 has integer dot products on this build and CPU");
+  m.def("linear_bf16_outer", &linear_bf16_outer, "bf16 x @ BF16 w^T: 32 weight rows transposed at a time, outer products");
   m.def("has_bf16_dots", &has_bf16_dots, "whether linear_f32 multiplies bf16 rows by BF16 weights in bf16 dot products here");
   m.def("linear_q8", &linear_q8, "x @ dequant(w)^T with x quantized to int8 per 32-block (integer dots)");
   m.def("linear_f32_tiled", &linear_f32_tiled, "float32 x @ dequant(w)^T: float weight tiles in L2, sgemm");

@@ -81,6 +81,12 @@ LARGE_REGISTER_ROWS = 8
 # Bytes of a weight dequantized at a time for oneDNN's GEMM where it replaces the tiled kernel (an LM
 # head of 49,152 x 576 in bf16 in 7 slices measured 1.1-1.2x slices of 1,024 rows, same speed as 8,192).
 GEMM_SLICE_BYTES = 8 << 20
+# BF16 weights under bf16 rows past the register kernel, up to this many rows (batched decode), a layer's
+# matrix (under TILED_GEMM_WEIGHTS) takes linear_bf16_outer, prompts and LM heads oneDNN's GEMM on the
+# matrix as stored: at 32-64 rows the first ran 0.83-1.34x oneDNN's packed call on the default model's
+# layer shapes, the second 0.78-0.85x (the head 0.70-0.76x against 0.74-0.80x; at 256 rows they are
+# even; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22).
+BF16_OUTER_ROWS = 64
 
 
 def _check(blocks: torch.Tensor, fmt: str) -> int:
@@ -118,8 +124,14 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     if not small:
         if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
             if native_bf16_matmul():
-                if fmt == "BF16" and not cpu_build.helpers():
-                    return F.linear(x, bf16_matrix(blocks), bias)  # nothing to decode: oneDNN on the weight as stored
+                if fmt == "BF16" and not cpu_build.helpers():  # nothing to decode
+                    if rows.shape[0] <= BF16_OUTER_ROWS and blocks.shape[0] * rows.shape[1] < TILED_GEMM_WEIGHTS \
+                            and has_bf16_dots():
+                        y = load_quant().linear_bf16_outer(rows.contiguous(), blocks)
+                        if bias is not None:
+                            y += bias
+                        return y.reshape(*x.shape[:-1], blocks.shape[0])
+                    return F.linear(x, bf16_matrix(blocks), bias)  # oneDNN's GEMM on the matrix as stored
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
                 # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time

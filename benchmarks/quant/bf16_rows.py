@@ -3,8 +3,9 @@ layer shapes and its 49,152-row LM head, weights cold (copies cycled past the la
 decode step streams its layers): oneDNN on its packed copy (kernels.cpu_ops.pack_linear_weight: a
 bfloat16 model's weights before session 22, and with --no-cpu-bf16-weights), F.linear on the matrix as
 stored, and the matrix as BF16 blocks through the engine's path (kernels.cpu_quant.linear: bf16 dot
-products at the register kernel's rows, F.linear on the matrix as stored beyond) and through the dot
-kernel itself at every row count (linear_f32). ms a call, mean of a timed loop; ratios are packed / path.
+products at the register kernel's rows, then a layer's matrix linear_bf16_outer up to BF16_OUTER_ROWS,
+F.linear on the matrix as stored beyond) and through the dot kernel itself at every row count
+(linear_f32). ms a call, mean of a timed loop; ratios are packed / path.
 
     python benchmarks/quant/bf16_rows.py [--rows 1,2,3,4,8,16,32,64] [--threads 2]
 """

@@ -216,9 +216,10 @@ def test_lm_head_sized_weight_past_the_register_rows():
 
 
 def test_bf16_matrix_past_the_register_rows(monkeypatch):
-    """A BF16 matrix under bf16 rows, on a CPU with bf16 dot products: up to DEQUANT_GEMM_ROWS rows take
-    them, one more oneDNN's GEMM on the matrix as stored (F.linear handed the blocks' own storage, no
-    copy); both sides match the float64 product within the output's rounding."""
+    """A layer's BF16 matrix under bf16 rows, on a CPU with bf16 dot products: up to DEQUANT_GEMM_ROWS rows
+    take the dot kernel, up to BF16_OUTER_ROWS linear_bf16_outer, more oneDNN's GEMM on the matrix as
+    stored (F.linear handed the blocks' own storage, no copy); each matches the float64 product within the
+    output's rounding."""
     _cpu_kernels_or_skip()
     if not cpu_quant.has_bf16_dots() or cpu_quant.has_brgemm_bf16():
         pytest.skip("for CPUs with bf16 dot products and no bf16 brgemm (AVX512_BF16 without AMX)")
@@ -233,12 +234,29 @@ def test_bf16_matrix_past_the_register_rows(monkeypatch):
         return linear(x, weight, bias)
 
     monkeypatch.setattr(cpu_quant.F, "linear", spy)
-    for m in (cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1):
+    for m in (cpu_quant.DEQUANT_GEMM_ROWS, cpu_quant.DEQUANT_GEMM_ROWS + 1, cpu_quant.BF16_OUTER_ROWS,
+              cpu_quant.BF16_OUTER_ROWS + 1):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         got = cpu_quant.linear(x, blocks, "BF16")
         assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w.float(), 2.0 ** -8)).all(), m
-        assert len(handed) == (m > cpu_quant.DEQUANT_GEMM_ROWS), m
+        assert len(handed) == (m > cpu_quant.BF16_OUTER_ROWS), m
     assert handed[0].data_ptr() == blocks.data_ptr()
+
+
+@pytest.mark.parametrize("n", [32, 101, 160])
+def test_bf16_outer_kernel_matches_the_float64_product(n):
+    """linear_bf16_outer: whole blocks of 32 weight rows (two transposed blocks of 16) and a tail the dot
+    kernel takes (101 = 3 x 32 + 5), activation rows in every group it forms (12s, 4s, 1-3)."""
+    _cpu_kernels_or_skip()
+    if not cpu_quant.has_bf16_dots():
+        pytest.skip("no AVX512_BF16 here")
+    k = 96
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    for m in (1, 3, 4, 7, 12, 13, 29, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        got = cpu_build.load_quant().linear_bf16_outer(x, w.view(torch.uint8))
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert ((got.double() - x.double() @ w.double().T).abs() <= _tolerance(x, w.float(), 2.0 ** -8)).all(), m
 
 
 def test_cpu_linear_takes_leading_dims():
