@@ -1121,10 +1121,10 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 // to zero), where linear_f32
 // widens both to float32 first. The matmul oneDNN would run instead, on its packed copy, costs
 // ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel ran
-// 1.1-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the matrix
-// as stored (what more rows take, cpu_quant.linear) ran 0.6-0.8x (cold weights; the 49152 x 576 LM
-// head: 1.13x at one row, 0.85-1.0x at 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md
-// session 22). Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on
+// 1.0-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the matrix
+// as stored ran 0.6-0.8x (cold weights; the 49152 x 576 LM head: 1.06-1.13x at one row, 0.85-1.0x at
+// 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Past 16 rows it sums
+// too many products across vectors (0.63-0.75x at 64 rows): linear_bf16_outer below takes those. Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on
 // the 3072 x 576 shape; a prefetch past the matrix's end does not fault).
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -1203,6 +1203,11 @@ void linear_bf16_dots_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat
   });
 }
 // ---- many rows: pairs of 16 weight rows transposed once, outer products without reductions ----
+//
+// 17-64 rows of a layer's matrix (kernels/cpu_quant.py BF16_OUTER_ROWS): 0.83-1.34x oneDNN's packed
+// call at 32-64 rows on the default model's layer shapes, where its GEMM on the matrix as stored ran
+// 0.78-0.88x. The two transposed blocks (32 rows x K bf16: 36 KB at K = 576) are read again for every
+// 12 activation rows, from L1 or L2.
 //
 // Pair p (inputs 2p, 2p + 1) of 16 weight rows as one vector, lane j row j's pair: out[p].
 inline void transpose_pairs(const uint16_t* w, int64_t K, int64_t k, __m512i out[16]) {
