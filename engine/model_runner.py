@@ -165,7 +165,7 @@ class ModelRunner(KVCacheSizing, StepOutputs):
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
         # On the cpu backend bf16 checkpoint matrices stay as stored for its kernels: in a float32 model
         # (widened there); in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower
-        # there: widened too) or has it without AMX, where a decode row's bf16 dot products run 1.1-1.8x
+        # there: widened too) or has it without AMX, where a decode row's bf16 dot products run 1.0-2.0x
         # oneDNN's call on its packed copy (kernels/cpu_quant.cpp, "bf16 rows against BF16 weights").
         # With AMX oneDNN's packed copy stays (not measured here).
         keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and (

@@ -11,9 +11,9 @@ blocks); other quantized tensors (a layer with mixed types, MoE experts) are deq
 with a log line saying which. `gguf_weights="dequantize"` dequantizes every tensor.
 
 With `keep_bf16` (the runner's choice: cpu backend, a float32 model or a bfloat16 one on a CPU without
-native bf16 matmuls, EngineConfig.cpu_bf16_weights) a float checkpoint's bfloat16 matrices stay
-bfloat16 as stored (engine.quant.BF16: linear layers, embedding and LM head), half float32's bytes,
-widened to float32 inside the C++ matmul kernels.
+AMX, EngineConfig.cpu_bf16_weights) a float checkpoint's bfloat16 matrices stay bfloat16 as stored
+(engine.quant.BF16: linear layers, embedding and LM head), half float32's bytes, for the C++ matmul
+kernels (widened to float32 there, or bf16 dot products under bf16 rows).
 
 A float checkpoint's linear weights (a safetensors folder's, or a float GGUF's) are quantized at
 load with `quantization` "int8" / "int4" / "fp8" (engine/quant/quantize.py); those of a
@@ -191,8 +191,8 @@ class KeepBF16:
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # a tied LM head reads the embedding's bf16 blocks
         if self.kept:
-            logger.info("bfloat16 matrices kept as stored (%.1f MiB; cpu_bf16_weights), widened to float32 in the "
-                        "matmul kernels", kept_bytes / 2**20)
+            logger.info("bfloat16 matrices kept as stored (%.1f MiB; cpu_bf16_weights) for the C++ matmul kernels",
+                        kept_bytes / 2**20)
 
     def __iter__(self):
         from engine.quant import BF16, QuantizedTensor

@@ -18,8 +18,9 @@
 //         the low (t < 2) or high (t >= 2) nibble of ql[64h + 32(t % 2) + l] and bits 2t..2t+1 of
 //         qh[32h + l] as bits 4..5.                              (d * sc[i / 16]) * (q6(i) - 32)
 //   BF16  32 weights, 64 bytes: bfloat16 w[32], no scale                   w[i] (its bits << 16)
-//         Not a GGUF block but a checkpoint's bfloat16 matrix as stored, served with float32
-//         activations (a CPU without bf16 dot products): the same kernels widen it in registers.
+//         Not a GGUF block but a checkpoint's bfloat16 matrix as stored: float32 activations (and
+//         bf16 ones without AVX512_BF16) meet it widened in registers by the same kernels, bf16 ones
+//         on AVX512_BF16 in bf16 dot products (linear_bf16_dots_impl, linear_bf16_outer below).
 // gguf.quants.dequantize, the oracle, reads them so. Every product above is exact in float32 (fp16
 // mantissas times small integers), so each weight is the oracle's float whatever the order of the
 // operations, FMA or not.
@@ -1116,16 +1117,16 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 // ---- bf16 rows against BF16 weights: bf16 dot products (AVX512_BF16) ---------------------------
 //
 // A bfloat16 model's bf16 checkpoint matrices held as stored (engine/weights.py KeepBF16) at the
-// register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations a instruction, in
-// float32 (a bf16 product is exact in float32; the pairs' sums round as FMAs do, denormals flushed
-// to zero), where linear_f32
-// widens both to float32 first. The matmul oneDNN would run instead, on its packed copy, costs
-// ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel ran
-// 1.0-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the matrix
-// as stored ran 0.6-0.8x (cold weights; the 49152 x 576 LM head: 1.06-1.13x at one row, 0.85-1.0x at
-// 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Past 16 rows it sums
-// too many products across vectors (0.63-0.75x at 64 rows): linear_bf16_outer below takes those. Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on
-// the 3072 x 576 shape; a prefetch past the matrix's end does not fault).
+// register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations an instruction, in float32
+// (a bf16 product is exact in float32; the pairs' sums round as FMAs do, denormals flushed to zero),
+// where linear_f32 widens both to float32 first. The matmul oneDNN would run instead, on its packed
+// copy, costs ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel
+// ran 1.0-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the
+// matrix as stored ran 0.6-0.8x (cold weights; the 49152 x 576 LM head: 1.06-1.13x at one row,
+// 0.85-1.0x at 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Past 16
+// rows its sums across vectors cost too much (0.63-0.75x at 64 rows): linear_bf16_outer below takes
+// those. Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on the
+// 3072 x 576 shape; a prefetch past the matrix's end does not fault).
 #if defined(CPU_CAPABILITY_AVX512)
 
 #pragma GCC push_options
@@ -1176,32 +1177,36 @@ inline void dot_bf16_rows(const uint16_t* w, int64_t n0, int64_t n1, const uint1
   }
 }
 
+// Weight rows n0 .. n1 against every activation row, in groups of 8, then of at most 4.
+inline void dot_bf16_block(const uint16_t* w, int64_t n0, int64_t n1, const uint16_t* x, int64_t M, int64_t K,
+                           int64_t N, c10::BFloat16* y) {
+  for (int64_t m = 0, rows = 0; m < M; m += rows) {
+    rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
+    const uint16_t* xm = x + m * K;
+    c10::BFloat16* ym = y + m * N;
+    switch (rows) {
+      case 8: dot_bf16_rows<8>(w, n0, n1, xm, K, N, ym); break;
+      case 4: dot_bf16_rows<4>(w, n0, n1, xm, K, N, ym); break;
+      case 3: dot_bf16_rows<3>(w, n0, n1, xm, K, N, ym); break;
+      case 2: dot_bf16_rows<2>(w, n0, n1, xm, K, N, ym); break;
+      default: dot_bf16_rows<1>(w, n0, n1, xm, K, N, ym); break;
+    }
+  }
+}
+
 void linear_bf16_dots_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloat16* y, int64_t M, int64_t N,
                            int64_t K) {
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
   parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-    // kRowsPerTask weight rows at a time (a thread's range can be half the matrix) against groups of 8
-    // activation rows, then of at most 4: those weight rows stay in L1 from one group to the next
-    // (over the whole range they were read again from memory per group: at 64 rows 0.67x oneDNN's
-    // packed call on 3072 x 576, where the 576-row shapes ran 0.93-1.03x).
-    for (int64_t c0 = n0; c0 < n1; c0 += kRowsPerTask) {
-      const int64_t c1 = std::min(c0 + kRowsPerTask, n1);
-      for (int64_t m = 0, rows = 0; m < M; m += rows) {
-        rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
-        const uint16_t* xm = xb + m * K;
-        c10::BFloat16* ym = y + m * N;
-        switch (rows) {
-          case 8: dot_bf16_rows<8>(wb, c0, c1, xm, K, N, ym); break;
-          case 4: dot_bf16_rows<4>(wb, c0, c1, xm, K, N, ym); break;
-          case 3: dot_bf16_rows<3>(wb, c0, c1, xm, K, N, ym); break;
-          case 2: dot_bf16_rows<2>(wb, c0, c1, xm, K, N, ym); break;
-          default: dot_bf16_rows<1>(wb, c0, c1, xm, K, N, ym); break;
-        }
-      }
-    }
+    // kRowsPerTask weight rows at a time (a thread's range can be half the matrix), so they stay in L1
+    // from one group of activation rows to the next (over the whole range they were read again from
+    // memory per group: the LM head at 64 rows ran 0.46x oneDNN's packed call, 0.64x taken so).
+    for (int64_t c0 = n0; c0 < n1; c0 += kRowsPerTask)
+      dot_bf16_block(wb, c0, std::min(c0 + kRowsPerTask, n1), xb, M, K, N, y);
   });
 }
+
 // ---- many rows: pairs of 16 weight rows transposed once, outer products without reductions ----
 //
 // 17-64 rows of a layer's matrix (kernels/cpu_quant.py BF16_OUTER_ROWS): 0.83-1.34x oneDNN's packed
@@ -1247,7 +1252,9 @@ inline void outer_rows(const __m512i* buf, int64_t P, const int32_t* x, c10::BFl
     const __m512bh t0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(buf + p));
     const __m512bh t1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(buf + P + p));
     for (int r = 0; r < G; ++r) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[r * P + p]));
+      int32_t pair;  // two bf16 inputs (a memcpy: x need not be 4-byte aligned)
+      std::memcpy(&pair, x + r * P + p, 4);
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
       acc[0][r] = _mm512_dpbf16_ps(acc[0][r], t0, xv);
       acc[1][r] = _mm512_dpbf16_ps(acc[1][r], t1, xv);
     }
@@ -1289,20 +1296,7 @@ void linear_bf16_outer_impl(const c10::BFloat16* x, const uint8_t* w, c10::BFloa
     std::vector<__m512i> buf(K);  // two blocks' transposed pairs: 2 x K / 2 vectors
     for (int64_t b = b0; b < b1; ++b) outer_block(wb, xb, M, K, N, 32 * b, y, buf.data());
   });
-  if (whole < N) {  // the last < 32 weight rows: the dot kernel
-    for (int64_t m = 0, rows = 0; m < M; m += rows) {
-      rows = M - m >= 8 ? 8 : std::min<int64_t>(4, M - m);
-      const uint16_t* xm = xb + m * K;
-      c10::BFloat16* ym = y + m * N;
-      switch (rows) {
-        case 8: dot_bf16_rows<8>(wb, whole, N, xm, K, N, ym); break;
-        case 4: dot_bf16_rows<4>(wb, whole, N, xm, K, N, ym); break;
-        case 3: dot_bf16_rows<3>(wb, whole, N, xm, K, N, ym); break;
-        case 2: dot_bf16_rows<2>(wb, whole, N, xm, K, N, ym); break;
-        default: dot_bf16_rows<1>(wb, whole, N, xm, K, N, ym); break;
-      }
-    }
-  }
+  if (whole < N) dot_bf16_block(wb, whole, N, xb, M, K, N, y);  // the last < 32 weight rows
 }
 #pragma GCC pop_options
 

@@ -163,8 +163,8 @@ FORMATS = {f.name: f for f in (
     BlockFormat("Q6_K", 210, _dequantize_q6_k, QK_K),
 )}
 
-# A checkpoint's bfloat16 matrix held as stored under a float32 model on the cpu backend (no bf16
-# dot products on such CPUs: the C++ kernels widen it in registers, kernels/cpu_quant.cpp): half
+# A checkpoint's bfloat16 matrix held as stored on the cpu backend (kernels/cpu_quant.cpp: widened in
+# registers for float32 activations, bf16 dot products for bf16 ones where the CPU has them): half
 # float32's bytes, the same values. Blocks of 32 so the block kernels serve it; not a GGUF
 # quantized type, so not in FORMATS (engine/weights.py keep_bf16 chooses it).
 BF16 = BlockFormat("BF16", 64, _widen_bf16)
