@@ -145,10 +145,10 @@ def test_bfloat16_model_without_native_bf16_keeps_blocks(family, bf16_folder, bf
 
 def test_bfloat16_model_with_native_bf16_keeps_blocks(bf16_folder):
     """A bfloat16 model on a CPU with native bf16 matmuls but no AMX (Zen 4/5) keeps the checkpoint's
-    matrices as stored too: up to 16 rows (the fused layers' steps) take bf16 dot products on them
-    (kernels/cpu_quant.cpp), more oneDNN's bf16 GEMM on the matrices as they are; the tied LM head
-    reads the embedding's blocks (the vocabulary held once, no oneDNN copy).
-    One sequence a step (max_num_seqs=1), so prompts of 1, 2 and 5 tokens are steps of that many rows.
+    matrices as stored too: up to 16 rows (the fused layers' steps) take the bf16 dot kernel on them,
+    17-64 the outer-product one (kernels/cpu_quant.cpp); the tied LM head reads the embedding's blocks
+    (the vocabulary held once, no oneDNN copy). One sequence a step (max_num_seqs=1), so prompts of 1,
+    2 and 5 tokens are steps of that many rows, of 20, 40 and 42 the outer kernel's.
     First tokens and logprobs stay those of transformers in bfloat16."""
     from transformers import AutoModelForCausalLM
 
