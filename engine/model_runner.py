@@ -29,7 +29,7 @@ from engine.quant import activations
 from engine.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.layers.moe import pack_experts
 from engine.loader import ModelSource
-from engine.weights import checkpoint_tensors, load_weights
+from engine.weights import checkpoint_tensors, keeps_bf16, load_weights
 from engine.models.registry import model_class
 from engine.distributed.state import pp_state, tp_state
 from engine.planning import ModelSpec
@@ -76,12 +76,6 @@ def _native_bf16_matmul() -> bool:
     from kernels import cpu_ops
 
     return cpu_ops.native_bf16_matmul()
-
-
-def _bf16_brgemm() -> bool:
-    from kernels import cpu_quant
-
-    return cpu_quant.has_brgemm_bf16()
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, backend: str, device: torch.device) -> torch.dtype:
@@ -163,14 +157,8 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         with torch.device(self.device), _default_dtype(self.dtype):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
             self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
-        # On the cpu backend bf16 checkpoint matrices stay as stored for its kernels: in a float32 model
-        # (widened there); in a bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower
-        # there: widened too) or has it without AMX, where a decode row's bf16 dot products run 1.0-2.0x
-        # oneDNN's call on its packed copy (kernels/cpu_quant.cpp, "bf16 rows against BF16 weights").
-        # With AMX oneDNN's packed copy stays (not measured here).
-        keep_bf16 = config.cpu_bf16_weights and self.backend.name == "cpu" and (
-            self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not _bf16_brgemm()))
-        load_weights(self.model, checkpoint_tensors(source, keep_bf16))
+        load_weights(self.model, checkpoint_tensors(
+            source, keeps_bf16(config.cpu_bf16_weights, self.backend.name, self.dtype)))
         pack_weights(self.model, self.backend.pack_linear_weight,
                      lambda fmt, blocks: fmt.pack(blocks, self.backend.name))
         pack_experts(self.model, self.backend.pack_moe_weights)

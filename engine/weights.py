@@ -10,8 +10,7 @@ default): linear layers, and the token embedding and LM head (a tied head reads 
 blocks); other quantized tensors (a layer with mixed types, MoE experts) are dequantized to float,
 with a log line saying which. `gguf_weights="dequantize"` dequantizes every tensor.
 
-With `keep_bf16` (the runner's choice: cpu backend, a float32 model or a bfloat16 one on a CPU without
-AMX, EngineConfig.cpu_bf16_weights) a float checkpoint's bfloat16 matrices stay bfloat16 as stored
+With `keep_bf16` (keeps_bf16 says when) a float checkpoint's bfloat16 matrices stay bfloat16 as stored
 (engine.quant.BF16: linear layers, embedding and LM head), half float32's bytes, for the C++ matmul
 kernels (widened to float32 there, or bf16 dot products under bf16 rows).
 
@@ -59,6 +58,22 @@ class GGUFTensors:
 
     def __iter__(self):
         return self.model.tensors(self.native)
+
+
+def keeps_bf16(enabled: bool, backend: str, dtype: torch.dtype) -> bool:
+    """Whether a float checkpoint's bf16 matrices stay as stored (KeepBF16; `enabled`:
+    EngineConfig.cpu_bf16_weights): on the cpu backend, in a float32 model (widened in its kernels); in a
+    bf16 one where the CPU has no native bf16 matmul (oneDNN's is 3-8x slower there: widened too) or has
+    it without AMX, where a decode row's bf16 dot products run 1.0-2.0x oneDNN's call on its packed copy
+    (kernels/cpu_quant.cpp, "bf16 rows against BF16 weights"). With AMX oneDNN's packed copy stays (not
+    measured here)."""
+    if not enabled or backend != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.float32:
+        return True
+    from kernels import cpu_quant
+
+    return not cpu_quant.has_brgemm_bf16()
 
 
 def checkpoint_tensors(source: ModelSource, keep_bf16: bool = False) -> Iterable[tuple[str, object]]:

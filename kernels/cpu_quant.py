@@ -124,14 +124,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     if not small:
         if x.dtype == torch.bfloat16 and not has_brgemm_bf16():
             if native_bf16_matmul():
-                if fmt == "BF16" and not cpu_build.helpers():  # nothing to decode
-                    if rows.shape[0] <= BF16_OUTER_ROWS and blocks.shape[0] * rows.shape[1] < TILED_GEMM_WEIGHTS \
-                            and has_bf16_dots():
-                        y = load_quant().linear_bf16_outer(rows.contiguous(), blocks)
-                        if bias is not None:
-                            y += bias
-                        return y.reshape(*x.shape[:-1], blocks.shape[0])
-                    return F.linear(x, bf16_matrix(blocks), bias)  # oneDNN's GEMM on the matrix as stored
+                if fmt == "BF16" and not cpu_build.helpers():
+                    return _bf16_as_stored(x, rows, blocks, bias)
                 # AVX512_BF16 without AMX (Zen 4/5): no bf16 brgemm for the tiled kernel, but oneDNN's bf16
                 # GEMM runs 4x MKL's sgemm here. A layer's weight is dequantized whole (it stays in
                 # cache), a bigger one (an LM head) a slice of GEMM_SLICE_BYTES at a time
@@ -169,9 +163,17 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor |
     return y.to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
 
 
-def bf16_matrix(blocks: torch.Tensor) -> torch.Tensor:
-    """BF16 blocks [N, K * 2] uint8 as the bfloat16 matrix [N, K] they hold (a view: no copy)."""
-    return blocks.view(torch.bfloat16)
+def _bf16_as_stored(x: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 rows past the register kernel against BF16 blocks, nothing to decode: a layer's matrix
+    (under TILED_GEMM_WEIGHTS) at up to BF16_OUTER_ROWS rows by linear_bf16_outer, else oneDNN's GEMM
+    on the matrix as stored (the blocks viewed as bfloat16 [N, K]: no copy)."""
+    if rows.shape[0] <= BF16_OUTER_ROWS and blocks.shape[0] * rows.shape[1] < TILED_GEMM_WEIGHTS and has_bf16_dots():
+        y = load_quant().linear_bf16_outer(rows.contiguous(), blocks)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], blocks.shape[0])
+    return F.linear(x, blocks.view(torch.bfloat16), bias)
 
 
 def _sliced_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> torch.Tensor:
