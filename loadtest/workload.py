@@ -155,7 +155,11 @@ def read_sse(resp, on_first_choice) -> tuple[str, dict | None]:
     """Consume an OpenAI SSE stream; returns (text, usage). Raises StreamError if malformed."""
     text, usage, done = [], None, False
     first = True
-    for raw in resp.iter_lines(decode_unicode=True):
+    # Lines split as bytes, on SSE's own ends (\r, \n) only, then decoded: requests' decode_unicode
+    # splits with str.splitlines, which also breaks at U+2028, U+0085 and the like, characters a model's
+    # tokens can hold and JSON carries unescaped (a random model's stream failed so in a CI run).
+    for line in resp.iter_lines():
+        raw = line.decode("utf-8")
         if not raw or raw.startswith(":"):
             continue
         if not raw.startswith("data:"):

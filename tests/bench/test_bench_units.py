@@ -129,6 +129,17 @@ def test_stream_request_chat_counts_tokens_without_usage(tokenizer):
     assert r.output_tokens == len(tokenizer("The capital", add_special_tokens=False).input_ids)
 
 
+def test_stream_request_keeps_line_separators_inside_a_data_line():
+    """A token of U+2028, U+2029 or U+0085, carried unescaped as the server's JSON does: the data
+    line stays whole (httpx's aiter_lines split it there)."""
+    text = "a\u2028b\u2029c\x85d"
+    chunk = json.dumps({"choices": [{"index": 0, "text": text}]}, ensure_ascii=False)
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}})
+    r = _run_stream(_sse(chunk, usage, "[DONE]").replace(b"\n", b"\r\n"))
+    assert r.success, r.error
+    assert (r.generated_text, r.output_tokens) == (text, 1)
+
+
 @pytest.mark.parametrize("body,status,reason", [
     (_sse(json.dumps({"choices": [{"text": "a"}]})), 200, "DONE"),  # no [DONE]
     (_sse("{not json", "[DONE]"), 200, "JSON"),

@@ -19,8 +19,9 @@ class FakeStream:
     def __init__(self, lines):
         self.lines = lines
 
-    def iter_lines(self, decode_unicode=True):
-        yield from self.lines
+    def iter_lines(self):  # as requests' Response.iter_lines gives them: bytes
+        for line in self.lines:
+            yield line.encode()
 
 
 def _data(obj) -> str:
@@ -36,6 +37,25 @@ def test_read_sse_accepts_a_well_formed_stream():
              _data({"choices": [], "usage": {"completion_tokens": 1}}), "", _data("[DONE]"), ""]
     text, usage = read_sse(FakeStream(lines), lambda: first.append(1))
     assert text == "Hi" and usage == {"completion_tokens": 1} and first == [1]
+
+
+def test_read_sse_keeps_line_separators_inside_a_data_line():
+    """Tokens can decode to U+2028, U+2029 or U+0085, which JSON carries unescaped (the server's
+    pydantic does; here ensure_ascii=False): each data line must stay whole. A real requests.Response
+    over those bytes, so its own line splitting is what runs."""
+    import io
+
+    import requests
+
+    from loadtest.workload import read_sse
+
+    text = "a\u2028b\u2029c\x85d"
+    events = [json.dumps({"choices": [{"delta": {"content": text}}]}, ensure_ascii=False),
+              json.dumps({"choices": [], "usage": {"completion_tokens": 1}}), "[DONE]"]
+    resp = requests.Response()
+    resp.status_code = 200
+    resp.raw = io.BytesIO("".join(f"data: {e}\n\n" for e in events).encode())
+    assert read_sse(resp, lambda: None) == (text, {"completion_tokens": 1})
 
 
 @pytest.mark.parametrize("lines,reason", [

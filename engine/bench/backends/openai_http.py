@@ -56,6 +56,20 @@ def _delta_text(endpoint: str, choice: dict) -> str:
     return choice.get("text") or ""
 
 
+async def sse_lines(resp):
+    """The lines of an httpx streaming response, split at SSE's own line ends (\n, with \r\n's \r
+    dropped) before decoding. httpx's aiter_lines also splits at U+2028, U+0085 and the like (as
+    str.splitlines does), characters a model's tokens can hold and JSON carries unescaped, which broke
+    a data line in two (loadtest's reader failed so on a random model in a CI run)."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.rstrip(b"\r").decode()
+
+
 async def stream_request(client, url: str, payload: dict, headers: dict, endpoint: str,
                          prompt_len: int, tokenizer=None, t0: float = 0.0) -> RequestResult:
     """POST `payload` with stream=True to `url` (an httpx.AsyncClient) and time the chunks."""
@@ -71,7 +85,7 @@ async def stream_request(client, url: str, payload: dict, headers: dict, endpoin
                 body = (await resp.aread()).decode(errors="replace")
                 out.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return out
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 line = line.strip()
                 if not line or line.startswith(":"):  # blank separators, SSE comments / pings
                     continue
