@@ -393,7 +393,10 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), dim = k_cache.size(2), bs = k_cache.size(3);
   TORCH_CHECK(key.size(1) == heads && key.size(2) == dim, "write_kv: key shape does not match the cache");
   int64_t total = num_blocks * bs;
-  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < total, "write_kv: slot outside the cache");
+  // A loop, not slots.max(): an ATen reduction and .item() cost microseconds, on every layer of a step.
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(slot, slot + slots.numel(), [&](int64_t s) { return s < total; }),
+              "write_kv: slot outside the cache");
   if (narrow) {  // float32 keys and values; the cache bfloat16 or float16
     PW_DISPATCH(k_cache.scalar_type(), "write_kv", [&] {
       write_kv_impl<float, scalar_t>(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
@@ -422,7 +425,12 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // Ask for a block's cache lines before they are needed: the blocks of a sequence are scattered
 // over the cache, so the hardware prefetcher cannot guess the next one, and a decode step streams
 // every layer's keys and values from memory (measured: 2x slower without, 30 layers' caches).
-constexpr int64_t kAhead = 4;  // blocks ahead: one block's work is shorter than a memory round trip
+// Blocks ahead: one block's work is shorter than a memory round trip. 2 rather than 4 (each block's
+// lines asked for at once, a key block and a value block a step): 1.00-1.16x as fast on 30 layers'
+// cold bfloat16 caches at 128-1,800 keys (the most at long contexts), 0.99-1.13x on float32 ones; 1
+// ran 0.93-0.97x as fast as 4 (benchmarks/quant/attention_ab.py, BENCHMARKS.md session 23). Likely,
+// more lines asked for at once than the core can have in flight stall it.
+constexpr int64_t kAhead = 2;
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
