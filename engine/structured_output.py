@@ -4,8 +4,9 @@ xgrammar (what vLLM and SGLang use) compiles a JSON schema, a regex, a choice li
 grammar once into a token-level automaton, and answers, per step and per stream, which tokens
 may come next as a bitmask over the vocabulary, in microseconds for JSON. Here:
 
-- `check` (the core's admission, before anything is queued) parses the spec without a tokenizer,
-  so a bad schema or regex is a ValueError naming `structured_outputs`;
+- `check` (the core's admission, before anything is queued) parses the spec without the model's
+  tokenizer (over single bytes), so a bad schema or regex, or one that admits no output, is a
+  ValueError naming `structured_outputs`;
 - `StructuredOutputs` (held by the sampling rank's sampler) compiles each distinct spec once (a
   cache keyed by its text), gives each constrained stream its own matcher, and masks the batch's
   logits before sampling; the runner then advances each matcher with the token its stream took.
@@ -64,6 +65,24 @@ def _unenforced(schema) -> str | None:
     return next((found for c in children if (found := _unenforced(c)) is not None), None)
 
 
+@functools.cache
+def _byte_compiler(xgr):
+    """A compiler over a vocabulary of the 256 single bytes and an end token: every string is a
+    sequence of its tokens, so a grammar that allows none of them first admits no output at all."""
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<end>"], stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def _admits_nothing(xgr, grammar) -> bool:
+    """Whether no string, the empty one included, follows the grammar (e.g. a JSON schema that only
+    refers to itself, {"$ref": "#"}: xgrammar compiles it, and its first bitmask allows no token,
+    so a stream could only sample a token its grammar forbids)."""
+    matcher = xgr.GrammarMatcher(_byte_compiler(xgr).compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any())
+
+
 @functools.lru_cache(maxsize=1024)
 def check(spec: GrammarSpec) -> None:
     """Parse the spec at admission, so that a bad one is refused before it reaches a step. Cached:
@@ -71,7 +90,10 @@ def check(spec: GrammarSpec) -> None:
     same schema; a spec that fails raises again each time (exceptions are not cached)."""
     if spec.kind == "json" and (found := _unenforced(json.loads(spec.spec))) is not None:
         raise ValueError(f"structured_outputs: the JSON schema has {found}, which is not enforced")
-    _grammar(_xgrammar(), spec)
+    xgr = _xgrammar()
+    if _admits_nothing(xgr, _grammar(xgr, spec)):
+        raise ValueError(f"structured_outputs: the {spec.kind} admits no output at all (not even an empty one), "
+                         f"so no token could be sampled: check it for a rule or $ref that only refers to itself")
 
 
 class StructuredOutputs:

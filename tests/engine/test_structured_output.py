@@ -70,11 +70,24 @@ def test_n2_and_an_unconstrained_neighbour(llm):
     (("regex", "([a-"), "^structured_outputs: the regex"),
     (("grammar", "root ::= ("), "^structured_outputs: the grammar"),
     (("json", {"type": "string", "pattern": "^a+$", "maxLength": 3}), "^structured_outputs: .*not enforced"),
+    # They compile, and no token is ever allowed: the first step would sample one its grammar forbids.
+    (("json", {"$ref": "#"}), "^structured_outputs: the json admits no output"),
+    (("grammar", "root ::= root"), "^structured_outputs: the grammar admits no output"),
 ])
 def test_bad_specs_are_refused_naming_the_field(llm, spec, message):
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=GrammarSpec.of(*spec)))
     assert "bad" not in llm.engine.parents
+
+
+def test_grammars_of_one_empty_or_multibyte_output_are_admitted(llm):
+    """The admission's byte-level check refuses only a grammar with no output: one whose only
+    output is empty (the model must end at once) or starts with a multi-byte character passes,
+    and the engine produces exactly that."""
+    specs = [GrammarSpec.of("grammar", 'root ::= ""'), GrammarSpec.of("regex", "日本"), GrammarSpec.of("choice", ["é"])]
+    outs = llm.generate(["Say something."] * 3, [SamplingParams(max_tokens=8, structured_outputs=s) for s in specs],
+                        use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == ["", "日本", "é"]
 
 
 @pytest.mark.parametrize("kind, value, message", [("json", "{not json", "the JSON schema is not valid JSON"),

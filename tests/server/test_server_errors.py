@@ -96,6 +96,9 @@ CASES = [
     ("response-format-bad-schema", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      400, "response_format", KEY),
+    ("response-format-schema-admits-nothing", "/v1/chat/completions",  # was a 500: no token was ever allowed
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+     400, "response_format", KEY),
     ("structured-outputs-bad-regex", "/v1/completions", comp(structured_outputs={"regex": "([a-"}), 400,
      "structured_outputs", KEY),
     ("structured-outputs-unknown-key", "/v1/completions", comp(structured_outputs={"xml": "x"}), 400,
