@@ -88,18 +88,25 @@ class PromptTokenizer:
         return Prompt(text, (await self._run(self._encode_all, [text], add_special_tokens))[0])
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False, tools: list | None = None) -> Prompt:
-        """`tools`: the request's function definitions, for templates that render them."""
+                          add_special_tokens: bool = False, tools: list | None = None,
+                          continue_final_message: bool = False, template_kwargs: dict | None = None) -> Prompt:
+        """`tools`: the request's function definitions, for templates that render them;
+        continue_final_message: the last message left open (protocol._ChatTemplateFields);
+        template_kwargs: more variables for the template (chat_template_kwargs)."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
-        return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens, tools)
+        return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens, tools,
+                               continue_final_message, template_kwargs or {})
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                        tools: list | None = None) -> Prompt:
+                        tools: list | None = None, continue_final_message: bool = False,
+                        template_kwargs: dict | None = None) -> Prompt:
         try:
             text = self._tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                       add_generation_prompt=add_generation_prompt)
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       continue_final_message=continue_final_message,
+                                                       **(template_kwargs or {}))
         except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
             raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
         # The template already wrote any BOS it wants: by default the tokenizer adds no other.

@@ -276,7 +276,46 @@ def _template_call(call: dict) -> dict:
     return {"type": "function", "id": call.get("id"), "function": fn}
 
 
-class ChatCompletionRequest(_SamplingRequest):
+# Arguments the server gives the chat template itself: chat_template_kwargs may not set them.
+_TEMPLATE_OWN = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
+                 "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                 "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message")
+
+
+class _ChatTemplateFields(_Request):
+    """vLLM's chat-template extras: render without the assistant's opening, leave the last message
+    open for the model to continue (a prefilled start of the reply; the response holds only what
+    follows it), and more variables for the template (e.g. Qwen3's enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, v, info):
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("the last message cannot be continued when add_generation_prompt opens a new one: "
+                             "set add_generation_prompt to false")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v):
+        taken = sorted(set(v or ()) & set(_TEMPLATE_OWN))
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the server (use the request's own field where there is one)")
+        return v
+
+    @property
+    def template_options(self) -> dict:
+        """The keyword arguments for PromptTokenizer.chat_prompt."""
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message,
+                    template_kwargs=self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None  # None: up to the context window
     max_completion_tokens: Int | None = None  # OpenAI's newer name; wins over max_tokens
@@ -323,16 +362,16 @@ class ChatCompletionRequest(_SamplingRequest):
 # --------------------------------------------------------------------------- tokenize / detokenize (vLLM's shapes)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateFields):
     """Either a completions `prompt` (a string) or chat `messages`, tokenized as the generation
     routes would: the chat template applied to messages (with the assistant's opening when
-    add_generation_prompt), special tokens added to a plain prompt unless add_special_tokens is false."""
+    add_generation_prompt, the template options as chat's), special tokens added to a plain prompt
+    unless add_special_tokens is false."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -17,7 +17,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    # Qwen3's switch (a template variable, set through chat_template_kwargs): an empty thought
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 BOS, EOS, PAD, UNK = "<|endoftext|>", "<|im_end|>", "<|pad|>", "<|unk|>"

@@ -58,9 +58,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """As vLLM's LLM.chat: continue_final_message leaves the last message open for the model to
+        continue (add_generation_prompt must then be False); chat_template_kwargs are more variables
+        for the template (e.g. Qwen3's enable_thinking)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: the last message cannot be continued when "
+                             "add_generation_prompt opens a new one: pass add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      **(chat_template_kwargs or {}))
                    for c in conversations]
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self._run(list(zip(prompts, ids)), sampling_params, use_tqdm)

@@ -32,7 +32,8 @@ async def create_chat_completion(request: Request):
     state.check_admissible(1, body.n)
     with sampling_errors():
         plan = tool_calls.plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.tools)
-    prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], tools=body.tools)
+    prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], tools=body.tools,
+                                             **body.template_options)
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
                                     field=body.max_tokens_field, prompt_field="messages")
     renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",

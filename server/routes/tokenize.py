@@ -18,8 +18,9 @@ router = APIRouter()
 async def tokenize(request: Request):
     state, body = await read_request(request, TokenizeRequest)
     if body.messages is not None:
-        prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], body.add_generation_prompt,
-                                                 bool(body.add_special_tokens))
+        prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages],
+                                                 add_special_tokens=bool(body.add_special_tokens),
+                                                 **body.template_options)
     else:
         prompt = await state.prompts.text_prompt(body.prompt, body.add_special_tokens is not False)
     ids = prompt.token_ids

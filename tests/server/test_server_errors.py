@@ -96,6 +96,12 @@ CASES = [
     ("response-format-bad-schema", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      400, "response_format", KEY),
+    ("continue-and-open-a-reply", "/v1/chat/completions", chat(continue_final_message=True), 400,
+     "continue_final_message", KEY),
+    ("template-kwargs-set-by-the-server", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), 400,
+     "chat_template_kwargs", KEY),
+    ("template-kwargs-not-an-object", "/v1/chat/completions", chat(chat_template_kwargs=["x"]), 400,
+     "chat_template_kwargs", KEY),
     ("response-format-schema-admits-nothing", "/v1/chat/completions",  # was a 500: no token was ever allowed
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
      400, "response_format", KEY),

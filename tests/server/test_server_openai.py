@@ -220,6 +220,40 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server, tiny_model_dir):
     assert post("/detokenize", {"tokens": t["tokens"]})["prompt"] == tok.decode(t["tokens"])
 
 
+def test_chat_template_options_in_vllms_names(server, client, tiny_model_dir):
+    """continue_final_message, add_generation_prompt and chat_template_kwargs reach the chat template
+    as transformers' apply_chat_template takes them (its ids are the oracle: /tokenize, the usage
+    counts), and a continued reply is what the same ids give as a plain completion."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = client.models.list().data[0].id
+    headers = {"Authorization": "Bearer test-key-123"}
+
+    def tokenize(body):
+        r = httpx.post(server.url + "/tokenize", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    prefilled = CHAT + [{"role": "assistant", "content": "The capital"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    text = tok.apply_chat_template(prefilled, tokenize=False, **cont)
+    assert text.endswith("The capital")  # left open: no end-of-turn after it
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tokenize({"messages": prefilled, **cont}) == ids
+    r = client.chat.completions.create(model=model, messages=prefilled, max_tokens=6, temperature=0, extra_body=cont)
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == plain.choices[0].text
+
+    think = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert think.endswith("<think>\n\n</think>\n\n")  # the tiny template reads the variable, as Qwen3's does
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    think_ids = tok(think, add_special_tokens=False).input_ids
+    assert tokenize({"messages": CHAT, **kwargs}) == think_ids
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, extra_body=kwargs)
+    assert r.usage.prompt_tokens == len(think_ids) > len(tokenize({"messages": CHAT}))
+
+
 def test_embeddings_with_the_official_client(server, client, tiny_model_dir):
     """client.embeddings.create (which asks for base64 and decodes it) and a float request over
     plain HTTP both give transformers' last final hidden state, normalised, per input."""
