@@ -41,7 +41,8 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
     if params.n > max_num_seqs:
         raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), the sequences this server runs "
                          f"at once, got {params.n}")
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                      ("allowed_token_ids", params.allowed_token_ids or [])):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} must name token ids in [0, {vocab_size}), got {bad[0]}")

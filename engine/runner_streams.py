@@ -27,6 +27,7 @@ class CachedRequestState(TokenSequence):
         self.generator: torch.Generator | None = None
         self.penalty_state = None
         self.logit_bias_tensors = None
+        self.allowed_token_tensor = None  # allowed_token_ids on the logits' device, made at its first sample
         self.pooled_sum: torch.Tensor | None = None  # mean pooling: the final hidden states so far
         self.grammar = None  # structured output: its matcher, on the sampling rank (made at its first sample)
         # Its row of the persistent block table (engine.step_inputs), how many of block_ids that

@@ -1,5 +1,5 @@
 """Turn one logits row per sampling stream into a token, for the whole batch at once: penalties,
-logit_bias, min_tokens, grammar masks (structured output), then greedy or temperature / top-k /
+logit_bias, allowed_token_ids, min_tokens, grammar masks (structured output), then greedy or temperature / top-k /
 top-p / min-p sampling. Logprobs are of the
 model's own distribution (log_softmax of the raw logits, before penalties and temperature), as
 OpenAI reports them.
@@ -24,7 +24,8 @@ from engine.scheduler_output import SampledToken
 
 class Stream(Protocol):
     """What the sampler reads of a stream (the runner's per-stream state), and what it keeps
-    there: the stream's seeded generator, its penalty counts and its logit_bias as tensors."""
+    there: the stream's seeded generator, its penalty counts, its logit_bias and allowed_token_ids
+    as tensors."""
 
     index: int
     sampling_params: SamplingParams
@@ -33,6 +34,7 @@ class Stream(Protocol):
     generator: torch.Generator | None
     penalty_state: PenaltyState | None
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None
+    allowed_token_tensor: torch.Tensor | None
     grammar: object | None  # the stream's xgrammar matcher, when its output is constrained (read here, never advanced)
 
 
@@ -151,9 +153,10 @@ class Sampler:
                      if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
         banning = [i for i, (r, p) in enumerate(zip(reqs, params)) if len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
+        restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        edits = bool(penalised or banning or biased or constrained)
+        edits = bool(penalised or banning or biased or restricted or constrained)
         if want_logprobs or edits or sampled:
             # float32 for everything but a plain argmax (which is exact on 16-bit logits too);
             # a copy when editing, so penalties and masks never touch the caller's tensor.
@@ -162,6 +165,8 @@ class Sampler:
         states = self._penalise(logits, reqs, penalised) if penalised else {}
         if biased:
             self._add_logit_bias(logits, reqs, biased)
+        if restricted:
+            self._keep_allowed(logits, reqs, restricted)
         if banning:
             self._ban_stop_tokens(logits, reqs, banning)
         if constrained:
@@ -208,6 +213,18 @@ class Sampler:
             cols.append(c)
             vals.append(v)
         logits.index_put_((torch.cat(index), torch.cat(cols)), torch.cat(vals), accumulate=True)
+
+    @staticmethod
+    def _keep_allowed(logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
+        """Every logit of these rows but their allowed_token_ids' to -inf (vLLM's allowed_token_ids)."""
+        for i in rows:
+            req = reqs[i]
+            if req.allowed_token_tensor is None:
+                req.allowed_token_tensor = torch.tensor(req.sampling_params.allowed_token_ids, dtype=torch.long,
+                                                        device=logits.device)
+            kept = logits[i, req.allowed_token_tensor]
+            logits[i] = float("-inf")
+            logits[i, req.allowed_token_tensor] = kept
 
     def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
         """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""

@@ -80,6 +80,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    # vLLM's: only these token ids may be sampled (every other logit -inf, greedy included); EOS
+    # among them or not, as the caller lists it.
+    allowed_token_ids: list[int] | None = None
     # Set: an embedding request. The prompt runs, nothing is generated, and the request ends with
     # the pooled, L2-normalised final hidden states (RequestOutput.embedding).
     pooling: str | None = None
@@ -94,6 +97,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     @property
@@ -137,6 +142,9 @@ class SamplingParams:
               "a map from non-negative token ids to biases")
         check(all(is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
               "logit_bias", f"a map whose biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+              "None or a non-empty list of non-negative token ids")
         check(self.pooling is None or self.pooling in POOLINGS, "pooling", f"None or one of {', '.join(POOLINGS)}")
         if self.pooling is not None:
             check(self.n == 1, "n", "1 for an embedding request (pooling set)")

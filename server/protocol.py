@@ -77,6 +77,7 @@ class _SamplingRequest(_Request):
     min_tokens: Int = 0
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
+    allowed_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
@@ -157,6 +158,7 @@ class _SamplingRequest(_Request):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self._grammar()[1],
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

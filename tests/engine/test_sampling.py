@@ -201,6 +201,36 @@ def test_logit_bias_steers_greedy_generation_as_transformers_would(tiny_llm, tin
     assert outs[1].outputs[0].token_ids == hf_greedy(path, PROMPTS[1], 6)  # its neighbour is untouched
 
 
+def test_allowed_token_ids_restrict_greedy_as_transformers_would(tiny_llm, tiny_models):
+    """Greedy with allowed_token_ids takes, at every step, the best of those ids by transformers'
+    logits for the sequence so far; a sampled stream stays inside them; its neighbour is untouched."""
+    path = tiny_models("llama")
+    prompt, allowed = PROMPTS[0], [3, 42, 77, 300, 511]
+    seq = list(prompt)
+    for _ in range(5):
+        logits = hf_logits(path, seq)[-1]
+        seq.append(allowed[int(logits[allowed].argmax())])
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, allowed_token_ids=allowed)
+    sampled = SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed[:2])
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = tiny_llm.generate([prompt, prompt, PROMPTS[1]], [greedy, sampled, plain], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == seq[len(prompt):]
+    assert set(outs[1].outputs[0].token_ids) <= set(allowed[:2])
+    assert outs[2].outputs[0].token_ids == hf_greedy(path, PROMPTS[1], 6)
+
+
+@pytest.mark.parametrize("ids", [[], [-1], [1.5], ["7"]])
+def test_allowed_token_ids_are_checked(ids):
+    with pytest.raises(ValueError, match="^allowed_token_ids must be None or a non-empty list"):
+        SamplingParams(allowed_token_ids=ids)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(tiny_llm):
+    with pytest.raises(ValueError, match="^allowed_token_ids must name token ids in"):
+        tiny_llm.engine.add_request("x", [1, 2, 3], SamplingParams(allowed_token_ids=[5, 10**6]))
+    assert not tiny_llm.engine.parents
+
+
 @pytest.mark.parametrize("bias, field", [({-1: 1.0}, "logit_bias"), ({5: 100.5}, "logit_bias"),
                                          ({5: float("nan")}, "logit_bias"), ({"5": 1.0}, "logit_bias")])
 def test_logit_bias_is_checked(bias, field):

@@ -188,6 +188,13 @@ def test_logit_bias_on_both_endpoints(client, tiny_model_dir):
     ch = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
                                         logit_bias={str(token): 100})
     assert ch.choices[0].message.content == want
+    # vLLM's allowed_token_ids: one allowed token is the only choice, on both endpoints too.
+    c = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": [token], "ignore_eos": True})
+    assert c.choices[0].text == want
+    ch = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
+                                        extra_body={"allowed_token_ids": [token], "ignore_eos": True})
+    assert ch.choices[0].message.content == want
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(server, tiny_model_dir):
