@@ -15,7 +15,7 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import ModelSource
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
-from engine import structured_output
+from engine import bad_words, structured_output
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SampledToken
@@ -96,6 +96,8 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         self.check_request(ids, sampling_params)
+        if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
+            sampling_params.bad_words_token_ids = bad_words.token_sequences(sampling_params.bad_words, self.tokenizer)
         parent = ParentRequest(request_id, ids, sampling_params)
         first = parent.choices[0] = Request(request_id, ids, sampling_params, index=0, arrival_time=arrival_time)
         self.parents[request_id] = parent

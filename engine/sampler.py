@@ -1,8 +1,8 @@
 """Turn one logits row per sampling stream into a token, for the whole batch at once: penalties,
-logit_bias, allowed_token_ids, min_tokens, grammar masks (structured output), then greedy or temperature / top-k /
-top-p / min-p sampling. Logprobs are of the
-model's own distribution (log_softmax of the raw logits, before penalties and temperature), as
-OpenAI reports them.
+logit_bias, allowed_token_ids, bad_words, min_tokens, grammar masks (structured output), then
+greedy or temperature / top-k / top-p / min-p sampling. Logprobs are of the model's own
+distribution (log_softmax of the raw logits, before penalties and temperature), as OpenAI
+reports them.
 
 Every step is a tensor op over the batch driven by per-row parameter tensors; Python touches
 rows only to build those tensors, to draw noise for seeded rows from their own generators (so a
@@ -18,6 +18,7 @@ import torch
 
 from kernels import reference
 
+from engine import bad_words
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SampledToken
 
@@ -154,9 +155,10 @@ class Sampler:
         banning = [i for i, (r, p) in enumerate(zip(reqs, params)) if len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        worded = [i for i, p in enumerate(params) if p.bad_words_token_ids]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        edits = bool(penalised or banning or biased or restricted or constrained)
+        edits = bool(penalised or banning or biased or restricted or worded or constrained)
         if want_logprobs or edits or sampled:
             # float32 for everything but a plain argmax (which is exact on 16-bit logits too);
             # a copy when editing, so penalties and masks never touch the caller's tensor.
@@ -167,6 +169,8 @@ class Sampler:
             self._add_logit_bias(logits, reqs, biased)
         if restricted:
             self._keep_allowed(logits, reqs, restricted)
+        if worded:
+            self._ban_bad_words(logits, reqs, worded)
         if banning:
             self._ban_stop_tokens(logits, reqs, banning)
         if constrained:
@@ -226,13 +230,22 @@ class Sampler:
             logits[i] = float("-inf")
             logits[i, req.allowed_token_tensor] = kept
 
-    def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
-        """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""
-        pairs = [(i, t) for i in rows for t in reqs[i].sampling_params.stop_token_ids
-                 + ([] if reqs[i].sampling_params.ignore_eos else self.eos_token_ids)]
+    @staticmethod
+    def _forbid(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """-inf at each (row, token id) of `pairs`: those tokens get no probability."""
         if pairs:
             r, c = zip(*pairs)
             logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+
+    def _ban_bad_words(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
+        """Each token that would complete one of the row's bad words (engine/bad_words.py)."""
+        self._forbid(logits, [(i, t) for i in rows for t in bad_words.banned_next(
+            reqs[i].sampling_params.bad_words_token_ids, reqs[i].output_token_ids)])
+
+    def _ban_stop_tokens(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> None:
+        """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""
+        self._forbid(logits, [(i, t) for i in rows for t in reqs[i].sampling_params.stop_token_ids
+                              + ([] if reqs[i].sampling_params.ignore_eos else self.eos_token_ids)])
 
     def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
         device = logits.device

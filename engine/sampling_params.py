@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Upper bounds taken from the OpenAI API where it sets one.
 MAX_N = 128
@@ -16,6 +16,8 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 # OpenAI's range for a logit bias: -100 bans a token in effect, +100 makes it the only choice.
 MAX_LOGIT_BIAS = 100.0
+# vLLM's bad_words: at most this many words a request, each at most this many characters.
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 # An embedding request's pooling of the final hidden states: the last prompt token's, or the mean.
 POOLINGS = ("last", "mean")
 
@@ -83,6 +85,10 @@ class SamplingParams:
     # vLLM's: only these token ids may be sampled (every other logit -inf, greedy included); EOS
     # among them or not, as the caller lists it.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output may not contain (engine/bad_words.py: their token sequences, which
+    # the engine fills in at admission from its tokenizer, since only it knows the vocabulary).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # Set: an embedding request. The prompt runs, nothing is generated, and the request ends with
     # the pooled, L2-normalised final hidden states (RequestOutput.embedding).
     pooling: str | None = None
@@ -99,6 +105,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
         self._validate()
 
     @property
@@ -145,6 +152,9 @@ class SamplingParams:
         check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
             is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
               "None or a non-empty list of non-negative token ids")
+        check(len(self.bad_words) <= MAX_BAD_WORDS and all(
+            isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words), "bad_words",
+              f"a list of at most {MAX_BAD_WORDS} words (not blank, at most {MAX_BAD_WORD_CHARS} characters each)")
         check(self.pooling is None or self.pooling in POOLINGS, "pooling", f"None or one of {', '.join(POOLINGS)}")
         if self.pooling is not None:
             check(self.n == 1, "n", "1 for an embedding request (pooling set)")

@@ -78,6 +78,7 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
@@ -158,7 +159,7 @@ class _SamplingRequest(_Request):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             structured_outputs=self._grammar()[1],
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

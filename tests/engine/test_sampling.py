@@ -219,6 +219,46 @@ def test_allowed_token_ids_restrict_greedy_as_transformers_would(tiny_llm, tiny_
     assert outs[2].outputs[0].token_ids == hf_greedy(path, PROMPTS[1], 6)
 
 
+def _greedy_without(path: str, prompt: list[int], sequences: list[list[int]], steps: int) -> list[int]:
+    """Greedy decoding by transformers' logits where a token that would complete one of `sequences`
+    (the output so far ending with the rest of it) is never taken: vLLM's bad_words rule."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = hf_logits(path, prompt + out)[-1].clone()
+        for s in sequences:
+            if len(s) == 1 or (len(out) >= len(s) - 1 and out[len(out) - len(s) + 1:] == s[:-1]):
+                logits[s[-1]] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_bad_words_steer_greedy_as_transformers_would(tiny_llm, tiny_models, length):
+    """A bad word made of `length` tokens of the plain greedy output (the first such run whose text
+    encodes back to them: banned as its own tokens and as spelled after a space) moves greedy
+    decoding exactly where transformers' logits with its completions forbidden go."""
+    path, tok = tiny_models("llama"), tiny_llm.tokenizer
+    prompt = PROMPTS[0]
+    plain = hf_greedy(path, prompt, 12)
+
+    def spellings(word):
+        return [tok(w, add_special_tokens=False).input_ids for w in (word.lstrip(), " " + word.lstrip())]
+
+    start = next(i for i in range(len(plain) - length)
+                 if plain[i:i + length] in spellings(tok.decode(plain[i:i + length])))
+    word = tok.decode(plain[start:start + length])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    got = tiny_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == _greedy_without(path, prompt, spellings(word), 12)
+    assert got[:start + length] != plain[:start + length]  # the word it would have written is gone
+
+
+@pytest.mark.parametrize("words", [[""], ["  "], ["x" * 257], ["w"] * 129, [5]])
+def test_bad_words_are_checked(words):
+    with pytest.raises(ValueError, match="^bad_words must be a list of at most 128 words"):
+        SamplingParams(bad_words=words)
+
+
 @pytest.mark.parametrize("ids", [[], [-1], [1.5], ["7"]])
 def test_allowed_token_ids_are_checked(ids):
     with pytest.raises(ValueError, match="^allowed_token_ids must be None or a non-empty list"):

@@ -99,6 +99,7 @@ CASES = [
     ("allowed-token-ids-empty", "/v1/completions", comp(allowed_token_ids=[]), 400, "allowed_token_ids", KEY),
     ("allowed-token-ids-outside-the-vocabulary", "/v1/completions", comp(allowed_token_ids=[10**7]), 400,
      "allowed_token_ids", KEY),
+    ("bad-words-blank", "/v1/completions", comp(bad_words=[" "]), 400, "bad_words", KEY),
     ("continue-and-open-a-reply", "/v1/chat/completions", chat(continue_final_message=True), 400,
      "continue_final_message", KEY),
     ("template-kwargs-set-by-the-server", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), 400,

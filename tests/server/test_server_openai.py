@@ -195,6 +195,14 @@ def test_logit_bias_on_both_endpoints(client, tiny_model_dir):
     ch = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
                                         extra_body={"allowed_token_ids": [token], "ignore_eos": True})
     assert ch.choices[0].message.content == want
+    # vLLM's bad_words: a word the greedy reply writes (its first token that is a whole printable
+    # word, not a byte of one) is written up to there, and not there any more.
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+    tokens = plain.choices[0].logprobs.tokens
+    at = next(i for i, t in enumerate(tokens) if t.strip().isalpha() and t.isascii() and t not in tokens[:i])
+    banned = client.completions.create(model=model, prompt=PROMPT, max_tokens=at + 1, temperature=0, logprobs=0,
+                                       extra_body={"bad_words": [tokens[at]]}).choices[0].logprobs.tokens
+    assert banned[:at] == tokens[:at] and banned[at] != tokens[at]
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(server, tiny_model_dir):
