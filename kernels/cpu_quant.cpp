@@ -352,6 +352,15 @@ inline __m256i q4_bytes(const uint8_t* qs) {
 // (BENCHMARKS.md, "Session 16").
 constexpr int64_t kPrefetchBytes[kNumFormats] = {2048, 2048, 2048, 2048, 2048, 1024};
 
+// The software prefetches of a decode matmul's weights are non-temporal: a step reads each weight
+// once, and asked for with T0 those lines (270 MB a step for the default model in bf16) pushed
+// everything else out of L2 and L3 on their way through: the KV cache, the activations, the norms'
+// weights, the interpreter's own state. Whole bf16 batch-1 decode steps ran 1.068x as fast with NTA
+// (median of 12 rounds, every one faster: 1.03-1.08x) after a 256-token prompt, 1.024x after 128
+// (a noisier run); Q4_1 steps 0.996-1.028x (medians of three runs: within noise); the one-row
+// matmuls alone 1.02-1.03x, at 4-16 rows 0.99-1.04x (BENCHMARKS.md, session 23).
+constexpr auto kWeightHint = _MM_HINT_NTA;
+
 // The software prefetch of a decode row (one or two activation rows), as the hardware prefetchers
 // alone left a decode matmul at 40% of the bytes per second: every cache line of the bytes
 // kPrefetchBytes[F] past block wb, a fixed count per block (one for blocks of up to 64 bytes; lines
@@ -361,7 +370,7 @@ constexpr int64_t kPrefetchBytes[kNumFormats] = {2048, 2048, 2048, 2048, 2048, 1
 template <int64_t F>
 inline void prefetch_ahead(const uint8_t* wb) {
   for (int64_t o = 0; o < kBlockBytes[F]; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes[F] + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes[F] + o, kWeightHint);
   }
 }
 
@@ -1141,7 +1150,7 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K, float* out
     __m512i wv[W];
     for (int j = 0; j < W; ++j) {
       wv[j] = _mm512_loadu_si512(w + j * K + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (W + j) * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (W + j) * K + k), kWeightHint);
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * K + k));
