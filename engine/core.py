@@ -8,6 +8,7 @@ finds stop strings and ends those choices here with `finish_choice`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from engine.config import EngineConfig
@@ -96,8 +97,9 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         self.check_request(ids, sampling_params)
-        if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
-            sampling_params.bad_words_token_ids = bad_words.token_sequences(sampling_params.bad_words, self.tokenizer)
+        if sampling_params.bad_words:  # a copy: the caller's params may go to another engine, another tokenizer
+            sequences = bad_words.token_sequences(sampling_params.bad_words, self.tokenizer)
+            sampling_params = dataclasses.replace(sampling_params, bad_words_token_ids=sequences)
         parent = ParentRequest(request_id, ids, sampling_params)
         first = parent.choices[0] = Request(request_id, ids, sampling_params, index=0, arrival_time=arrival_time)
         self.parents[request_id] = parent
