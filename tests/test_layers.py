@@ -19,7 +19,7 @@ LAYERS = [
     ("executor", ["engine.executor"]),
     ("runner", ["engine.model_runner", "engine.kv_sizing", "engine.step_inputs", "engine.step_outputs",
                 "engine.runner_streams", "engine.cuda_graphs",
-                "engine.sampler", "engine.structured_output", "engine.host_memory"]),
+                "engine.sampler", "engine.structured_output", "engine.bad_words", "engine.host_memory"]),
     ("models", ["engine.models", "engine.loader", "engine.weights", "engine.safetensors_slices", "engine.gguf_loader",
                 "engine.gguf_header", "engine.default_model", "engine.user_cache"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
