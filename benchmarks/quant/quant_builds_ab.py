@@ -1,11 +1,12 @@
 """Whole batch-1 decode steps with kernels/cpu_quant.cpp (or, --library ops, kernels/cpu_ops.cpp) as
 of another commit against the working tree's, in one process (this machine's speed moves 20-40%
 within minutes, so separate processes cannot rank a few percent): the fused decode layers call one
-build's matmuls (or run one build's DecoderLayers, attention and norms included) or the other's,
-alternating by round; the tokens must be the same. The LM head runs the working tree's build.
+build's matmuls, and kernels/cpu_quant.py's calls (the LM head, the layers of steps too big for the
+fused path: --batch above 16) go to the same build (or, --library ops, the fused layers run one build's
+DecoderLayers, attention and norms included), alternating by round; the tokens must be the same.
 
     python benchmarks/quant/quant_builds_ab.py COMMIT [--library quant|ops] [--model FILE] [--rounds 10]
-        [--prompt-len 128] [--new-tokens 128]
+        [--prompt-len 128] [--new-tokens 128] [--batch 1]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 def main() -> None:
     from engine.models import cpu_fused_layers
+    from kernels import cpu_quant
     from kernels import cpu_build
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128, help="the prompt's tokens: the context decode starts from")
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together (the rows of a decode step)")
     p.add_argument("--library", choices=["quant", "ops"], default="quant",
                    help="which C++ library the arms differ in: cpu_quant.cpp's matmuls, or cpu_ops.cpp's "
                         "DecoderLayers and the kernels around the matmuls")
@@ -56,6 +59,7 @@ def main() -> None:
                                                 chosen["build"].linear_q8_address(),
                                                 chosen["build"].linear_q16_address(), *row_limits)
     assert builds["old"].linear_f32_address() != builds["new"].linear_f32_address()
+    cpu_quant.load_quant = lambda: chosen["build"]  # the module-level calls: the head, bigger steps
     alternate(args, builds, lambda build: chosen.update(build=build))
 
 
@@ -103,9 +107,11 @@ def alternate(args, builds: dict, choose) -> None:
             choose(builds[name])
             fused._bound_to = None  # bind again, to this build's matmuls
             steps.clear()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            outs = llm.generate([prompt] * args.batch, params, use_tqdm=False)
+            out = [o.outputs[0].token_ids for o in outs]
             assert tokens.setdefault(name, out) == out
-            tok_s[name].append(1 / statistics.median(steps[1:]))  # decode steps (the first prefills)
+            # decode steps: the median (the first, or first few at a batch, prefill)
+            tok_s[name].append(args.batch / statistics.median(steps[1:]))
         print(f"round {r}: {args.commit} {tok_s['old'][-1]:.1f}, working tree {tok_s['new'][-1]:.1f} tok/s, "
               f"load {open('/proc/loadavg').read().split()[0]}", flush=True)
     ratio = statistics.median(n / o for n, o in zip(tok_s["new"], tok_s["old"]))
