@@ -1,4 +1,4 @@
-"""Whole batch-1 decode steps with kernels/cpu_quant.cpp (or, --library ops, kernels/cpu_ops.cpp) as
+"""Whole decode steps (batch 1, or --batch N) with kernels/cpu_quant.cpp (or, --library ops, kernels/cpu_ops.cpp) as
 of another commit against the working tree's, in one process (this machine's speed moves 20-40%
 within minutes, so separate processes cannot rank a few percent): the fused decode layers call one
 build's matmuls, and kernels/cpu_quant.py's calls (the LM head, the layers of steps too big for the
@@ -23,8 +23,7 @@ from pathlib import Path
 
 def main() -> None:
     from engine.models import cpu_fused_layers
-    from kernels import cpu_quant
-    from kernels import cpu_build
+    from kernels import cpu_build, cpu_quant
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("commit")
