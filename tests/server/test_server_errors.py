@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
 
-from tests.server.server_harness import API_KEY, MAX_BODY_BYTES
+from tests.server.server_harness import API_KEY, MAX_BODY_BYTES, get_metrics, metric
 
 KEY = {"Authorization": f"Bearer {API_KEY}"}
 KEYJ = {**KEY, "Content-Type": "application/json"}  # for raw `content=` bodies
@@ -199,10 +200,17 @@ def test_integral_floats_and_tiny_temperatures_are_served(server, auth):
 
 
 def test_still_serving_after_bad_input(server, client):
-    """Runs after the table (same session server): nothing above left the server broken."""
+    """Runs after the table (same session server): nothing above left the server broken or a KV
+    block taken."""
     assert httpx.get(server.url + "/health").status_code == 200
     model = client.models.list().data[0].id
     r = client.chat.completions.create(model=model, messages=MSG, max_tokens=6, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
     stream = client.completions.create(model=model, prompt="hello", max_tokens=6, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) is not None
+    # ... and no refused request holds a KV block (the engine frees finished ones on its own thread).
+    deadline = time.monotonic() + 30
+    while (used := metric(get_metrics(server), "pagewise:num_used_kv_blocks")) != 0:
+        assert time.monotonic() < deadline, f"{used} KV blocks still in use with no request running"
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health").status_code == 200
