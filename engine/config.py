@@ -147,7 +147,7 @@ class EngineConfig:
                                          "them in registers (the same values; sums in another order), a bfloat16 one "
                                          "takes bf16 dot products up to 64 rows (AVX512_BF16) and oneDNN's GEMM on "
                                          "them as stored beyond; off: converted to float32, or (bfloat16) packed for "
-                                         "oneDNN's matmul at load (2-8 percent faster batched, slower at one sequence)")
+                                         "oneDNN's matmul at load (batched within 2 percent, slower at one sequence)")
     num_threads: int | None = _knob(None, "CPU: torch intra-op threads, fixed (default: the CPUs this process may "
                                           "use, its affinity capped by its cgroup CPU quota; fewer while other "
                                           "processes keep them busy and fewer measure faster; bound one to each CPU "
