@@ -141,9 +141,12 @@ class EngineCore:
                 s.finish_reason = reason
                 self.scheduler.finish(s)
 
-    def _fail(self, parent: ParentRequest, error: BaseException | str) -> None:
-        """One request's step data raised: end that request alone, with an error output."""
-        if isinstance(error, BaseException):
+    def _fail(self, parent: ParentRequest, error: BaseException | str, invalid: str | None = None) -> None:
+        """One request's step data raised: end that request alone, with an error output (`invalid`:
+        the message for its client, whose parameters asked for the impossible; not an engine fault)."""
+        if invalid is not None:
+            logger.info("request %s ended: %s", parent.request_id, invalid)
+        elif isinstance(error, BaseException):
             logger.error("request %s failed; the engine goes on", parent.request_id, exc_info=error)
             error = type(error).__name__
         else:
@@ -151,7 +154,8 @@ class EngineCore:
         self.parents.pop(parent.request_id, None)
         self._end(parent, "abort")
         self._pending.append(CoreOutput(parent.request_id, 0, finish_reason="abort", request_finished=True,
-                                        error=f"internal error while processing the request ({error})"))
+                                        error=invalid or f"internal error while processing the request ({error})",
+                                        invalid_request=invalid is not None))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents) or bool(self._pending)
@@ -173,10 +177,10 @@ class EngineCore:
         result = self.runner.execute_model(batch)
         self.scheduler.update_computed()
         streams = self.scheduler.step_streams
-        for key, error in result.failed:
+        for key, error, invalid in result.failed:
             parent = self.parents.get(streams[key].request_id)
             if parent is not None:
-                self._fail(parent, error)
+                self._fail(parent, error, invalid)
         for key, first_token, entries in result.prompt_logprobs:
             req = streams[key]
             self._guarded(req.request_id, self._record_prompt_logprobs, req, first_token, entries)
@@ -221,7 +225,10 @@ class EngineCore:
         p = req.sampling_params
         n_out = len(req.output_token_ids)
         reason, stop_reason = None, None
-        if n_out >= p.min_tokens and not p.ignore_eos and tok in self.eos_token_ids:
+        if tok in self.eos_token_ids and (p.structured_outputs is not None or (n_out >= p.min_tokens
+                                                                             and not p.ignore_eos)):
+            # A grammar took the end token, so it has ended, and no token can follow it: the output
+            # stops there whatever min_tokens or ignore_eos ask (the sampler let it end only then).
             reason = "stop"
         elif n_out >= p.min_tokens and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok

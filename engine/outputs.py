@@ -30,6 +30,7 @@ class CoreOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (with the first output)
     error: str | None = None  # the core failed this request (every choice ends)
     embedding: list[float] | None = None  # an embedding request's result (it then ends)
+    invalid_request: bool = False  # the error is the request's own (its parameters), not the engine's
 
 
 @dataclass
@@ -61,6 +62,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine rejected or failed this request
     embedding: list[float] | None = None  # an embedding request's pooled final hidden states, normalised
+    invalid_request: bool = False  # the error is the request's own (its parameters), not the engine's
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` as one delta (a consumer that fell behind gets one
@@ -79,4 +81,4 @@ class RequestOutput:
                              [choices[i] for i in sorted(choices)], later.finished,
                              self.prompt_logprobs or later.prompt_logprobs,
                              max(self.num_cached_tokens, later.num_cached_tokens), later.error or self.error,
-                             later.embedding or self.embedding)
+                             later.embedding or self.embedding, later.invalid_request or self.invalid_request)

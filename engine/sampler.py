@@ -19,7 +19,7 @@ import torch
 from kernels import reference
 
 from engine import bad_words
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, UnsatisfiableRequestError
 from engine.scheduler_output import SampledToken
 
 
@@ -171,10 +171,17 @@ class Sampler:
             self._keep_allowed(logits, reqs, restricted)
         if worded:
             self._ban_bad_words(logits, reqs, worded)
+        if constrained:
+            bitmask = self.grammars.bitmask(logits.shape[0], [reqs[i].grammar for i in constrained], constrained)
+            # A grammar that can only end here ends the output, under min_tokens too (vLLM's rule):
+            # banning its end token would leave no token at all.
+            banning = [i for i in banning if reqs[i].grammar is None or not self.grammars.only_ends(bitmask, i)]
         if banning:
             self._ban_stop_tokens(logits, reqs, banning)
         if constrained:
-            self.grammars.mask(logits, [reqs[i].grammar for i in constrained], constrained)
+            self.grammars.apply(logits, bitmask)
+        if restricted or worded or banning or constrained:
+            self._check_left(logits, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         tokens = self.argmax(logits)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
@@ -246,6 +253,28 @@ class Sampler:
         """Below min_tokens a request may not stop: its stop ids (and EOS) get no probability."""
         self._forbid(logits, [(i, t) for i in rows for t in reqs[i].sampling_params.stop_token_ids
                               + ([] if reqs[i].sampling_params.ignore_eos else self.eos_token_ids)])
+
+    @staticmethod
+    def _check_left(logits: torch.Tensor, reqs: list[Stream], rows: list[int], banning: list[int]) -> None:
+        """Raise UnsatisfiableRequestError if the masks left one of these rows no token: the
+        argmax of a row of -inf is token 0, which none of them allowed."""
+        empty = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+        for i, none_left in zip(rows, empty):
+            if not none_left:
+                continue
+            req, p = reqs[i], reqs[i].sampling_params
+            fields = [name for name, on in (("allowed_token_ids", bool(p.allowed_token_ids)),
+                                            ("bad_words", bool(p.bad_words_token_ids)),
+                                            ("min_tokens", i in banning),
+                                            ("structured_outputs", req.grammar is not None)) if on]
+            after = f"after {len(req.output_token_ids)} output tokens"
+            if len(fields) > 1:
+                why = f"{after}, {' and '.join(fields)} together leave no token to sample: loosen one of them"
+            elif fields[0] == "structured_outputs":
+                why = f"{after} the grammar allows no token (a rule that only refers to itself?)"
+            else:
+                why = f"{after} it leaves no token to sample"
+            raise UnsatisfiableRequestError(f"{fields[0]}: {why}")
 
     def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
         device = logits.device

@@ -25,6 +25,12 @@ POOLINGS = ("last", "mean")
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class UnsatisfiableRequestError(ValueError):
+    """A request's own parameters leave no token to sample at some step of its output (say,
+    allowed_token_ids that its grammar never allows there): found as it runs, so it ends that
+    request alone, reported to its client as a bad request (HTTP 400), not as an engine fault."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint: `kind` is one of GRAMMAR_KINDS; `spec` its text (a JSON schema as JSON text,

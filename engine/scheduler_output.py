@@ -72,7 +72,8 @@ class ModelRunnerOutput:
     sampled: list[tuple[str, SampledToken]] = field(default_factory=list)
     # (stream, index of the first prompt token these entries score, one entry per prompt token)
     prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (stream, what raised)
+    # (stream, what raised, the message for its client when the request's own parameters are at fault)
+    failed: list[tuple[str, str, str | None]] = field(default_factory=list)
     pooled: list[tuple[str, list[float]]] = field(default_factory=list)  # embedding requests whose prompt is done
 
     def extend(self, other: ModelRunnerOutput) -> None:

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from engine.runner_streams import CachedRequestState
+from engine.sampling_params import UnsatisfiableRequestError
 from engine.scheduler_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -18,9 +19,13 @@ logger = logging.getLogger(__name__)
 class StepOutputs:
     @staticmethod
     def _failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
-        """This stream's own data made the runner raise: report it (the core fails its request alone)."""
+        """This stream's own data made the runner raise: report it (the core fails its request alone;
+        as the client's error when its parameters asked for the impossible)."""
+        if isinstance(error, UnsatisfiableRequestError):
+            out.failed.append((state.req_id, type(error).__name__, str(error)))
+            return
         logger.warning("stream %s failed in the runner: %r", state.req_id, error)
-        out.failed.append((state.req_id, type(error).__name__))
+        out.failed.append((state.req_id, type(error).__name__, None))
 
     def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
         """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
@@ -32,7 +37,7 @@ class StepOutputs:
                                                              state.output_token_ids)
                 except Exception as e:
                     self._failed(out, state, e)
-        failed = {req_id for req_id, _ in out.failed}
+        failed = {req_id for req_id, *_ in out.failed}
         keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
         if len(keep) < len(streams):
             logits, streams = logits[keep], [streams[i] for i in keep]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 
+import numpy as np
 import torch
 
 from engine.sampling_params import GrammarSpec
@@ -106,6 +107,7 @@ class StructuredOutputs:
         self.xgr = xgr
         self.apply_bitmask = apply_bitmask
         self.vocab_size = vocab_size
+        self.end_token_ids = list(eos_token_ids)  # the tokens a grammar ends on
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: dict[GrammarSpec, object] = {}
@@ -121,10 +123,21 @@ class StructuredOutputs:
                 raise ValueError("a stream's earlier tokens do not follow its grammar")
         return m
 
-    def mask(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:
-        """Set to -inf, in place, every token that `matchers[i]` does not allow next in row rows[i].
-        Reads the matchers only: a retried batch masks the same way."""
-        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # all allowed
+    def bitmask(self, num_rows: int, matchers: list, rows: list[int]) -> torch.Tensor:
+        """int32 [num_rows, vocab / 32], bit t of row rows[i] set where `matchers[i]` allows token t
+        next; other rows allow everything. Reads the matchers only: a retried batch masks the same way."""
+        bitmask = self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # all allowed
         for m, row in zip(matchers, rows):
             m.fill_next_token_bitmask(bitmask, row)
+        return bitmask
+
+    def only_ends(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Whether that row's grammar allows nothing but its end (an end token) next."""
+        words = bitmask[row].numpy().view(np.uint32).copy()
+        for t in self.end_token_ids:
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
+        return not words.any()
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Set to -inf, in place, every token the bitmask does not allow."""
         self.apply_bitmask(logits, bitmask.to(logits.device))

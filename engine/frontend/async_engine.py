@@ -46,6 +46,11 @@ class RequestFailedError(RuntimeError):
     """Processing this one request failed inside the engine (HTTP 500); the engine serves on."""
 
 
+class RequestInvalidError(ValueError):
+    """This request's own parameters asked for the impossible partway through (say, a grammar and
+    allowed_token_ids that leave no token): it ended there (HTTP 400); the engine serves on."""
+
+
 class _RequestStream:
     """The outputs of one request not yet taken by its consumer (merged into one delta), handed
     from the engine thread to the event loop."""
@@ -357,7 +362,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            if output.error is not None:  # the core failed this request alone
+            if output.error is not None and output.invalid_request:  # the client's to change
+                stream.fail(RequestInvalidError(output.error))
+            elif output.error is not None:  # the core failed this request alone
                 self._counters["num_requests_failed"] += 1
                 stream.fail(RequestFailedError(output.error))
             else:

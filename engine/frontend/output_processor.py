@@ -92,14 +92,14 @@ class OutputProcessor:
         """This step's RequestOutputs (one per request with news), and the choices a stop string ended."""
         news: dict[str, dict[int, _News]] = {}  # request -> choice index -> this step's news
         stops: list[StopString] = []
-        errors: dict[str, str] = {}
+        errors: dict[str, CoreOutput] = {}
         for out in core_outputs:
             req = self.requests.get(out.request_id)
             if req is None:
                 continue  # aborted here, or a choice's tokens after its stop string
             touched = news.setdefault(out.request_id, {})
             if out.error is not None:
-                errors[out.request_id] = out.error
+                errors[out.request_id] = out
                 for c in req.choices:
                     c.finish_reason = c.finish_reason or "abort"
                 continue
@@ -149,19 +149,20 @@ class OutputProcessor:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
         return None
 
-    def _output(self, req: _Request, news: dict[int, _News], error: str | None) -> list[RequestOutput]:
+    def _output(self, req: _Request, news: dict[int, _News], failed: CoreOutput | None) -> list[RequestOutput]:
+        error, invalid = (failed.error, failed.invalid_request) if failed is not None else (None, False)
         if req.delta:
             outputs = [self._delta(req, i, item) for i, item in sorted(news.items())]
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # sent once, with the first delta
             return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
-                                  prompt_logprobs, req.num_cached_tokens, error, req.embedding)]
+                                  prompt_logprobs, req.num_cached_tokens, error, req.embedding, invalid)]
         for i, item in news.items():
             req.choices[i].pieces.append(item.text)
         if not req.finished:
             return []
         outputs = [self._final(req, i) for i in range(len(req.choices))]
         return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, True,
-                              req.prompt_logprobs, req.num_cached_tokens, error, req.embedding)]
+                              req.prompt_logprobs, req.num_cached_tokens, error, req.embedding, invalid)]
 
     @staticmethod
     def _delta(req: _Request, index: int, item: _News) -> CompletionOutput:

@@ -9,14 +9,16 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from engine.frontend.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
-from server.errors import APIError, bad_request, validation_error
+from engine.frontend.async_engine import (EngineDeadError, EngineOverloadedError, RequestFailedError,
+                                          RequestInvalidError)
+from server.errors import APIError, bad_request, error_body, validation_error
 from server.state import ServerState, get_state
 
 B = TypeVar("B", bound=BaseModel)
 
 RETRY_AFTER_S = "1"
 _FIELD = re.compile(r"^([a-z_]+)\b")
+UNSATISFIABLE = "unsatisfiable_request"  # the code of a request whose parameters left no token partway
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
@@ -58,8 +60,8 @@ def sampling_errors(renames: dict[str, str] | None = None):
 
 @contextlib.contextmanager
 def engine_errors():
-    """AsyncEngine's failures as HTTP errors: overload 503 (+Retry-After), a rejected prompt 400,
-    a dead engine 500 without internals."""
+    """AsyncEngine's failures as HTTP errors: overload 503 (+Retry-After), a rejected prompt or
+    parameters that left no token partway 400, a dead engine 500 without internals."""
     try:
         yield
     except EngineOverloadedError as e:
@@ -70,13 +72,22 @@ def engine_errors():
     except RequestFailedError:  # the engine failed this request alone and serves on
         raise APIError(500, "internal server error while processing this request; other requests are "
                             "unaffected", code="internal_error") from None
+    except RequestInvalidError as e:  # its parameters left no token to sample partway through
+        raise bad_request(str(e), param=_field(e), code=UNSATISFIABLE) from None
     except ValueError as e:  # EngineCore.add_request rejected the prompt
         m = _FIELD.match(str(e))
         raise bad_request(str(e), param="prompt" if m and m.group(1).startswith("prompt") else None) from None
 
 
+def _field(error: BaseException) -> str | None:
+    m = _FIELD.match(str(error))
+    return m.group(1) if m else None
+
+
 def error_event_body(error: BaseException) -> dict:
     """The payload of an SSE error event, for a failure after the stream has started."""
+    if isinstance(error, RequestInvalidError):
+        return error_body(400, str(error), _field(error), UNSATISFIABLE)
     if isinstance(error, EngineDeadError):
         message = "internal server error: the engine stopped"
     elif isinstance(error, RequestFailedError):

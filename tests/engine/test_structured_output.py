@@ -90,6 +90,49 @@ def test_grammars_of_one_empty_or_multibyte_output_are_admitted(llm):
     assert [o.outputs[0].text for o in outs] == ["", "日本", "é"]
 
 
+def test_a_grammar_that_has_ended_ends_the_output(llm):
+    """Once a grammar can only end, the output ends there, though min_tokens asks for more or
+    ignore_eos says to go on (vLLM's rule): the end token was the only token the grammar allowed,
+    and nothing may follow it. It was an internal error: min_tokens banned the end token too, the
+    argmax of a row of -inf was token 0, which broke the grammar."""
+    choice = GrammarSpec.of("choice", ["yes", "no"])
+    ask = [{"role": "user", "content": "Yes or no?"}]
+    free = llm.chat([ask], SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=choice),
+                    use_tqdm=False)[0].outputs[0]
+    params = [SamplingParams(max_tokens=20, min_tokens=10, temperature=0.0, structured_outputs=choice),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0, structured_outputs=choice)]
+    outs = llm.chat([ask] * 2, params, use_tqdm=False)
+    assert free.text in ("yes", "no") and free.finish_reason == "stop"
+    for out in outs:
+        assert out.error is None
+        c = out.outputs[0]
+        assert (c.text, c.token_ids, c.finish_reason) == (free.text, free.token_ids, "stop")
+
+
+def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
+    """allowed_token_ids the grammar never allows, a grammar that dead-ends after its first tokens,
+    or only the end token allowed under min_tokens: the request ends with an error naming the
+    fields (invalid_request: its client's to change, an HTTP 400), not token 0 sampled from a row
+    of -inf; its neighbour gets what it gets alone, and no KV block stays taken."""
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["Say something."], plain, use_tqdm=False)[0].outputs[0].token_ids
+    eos = llm.engine.eos_token_ids[0]
+    dead_end = GrammarSpec.of("grammar", 'root ::= "ab" rest\nrest ::= rest')
+    cases = [(SamplingParams(max_tokens=8, allowed_token_ids=[5, 6], structured_outputs=GrammarSpec.of(
+                 "choice", ["yes", "no"])),
+              "^allowed_token_ids: after 0 output tokens, allowed_token_ids and structured_outputs together"),
+             (SamplingParams(max_tokens=8, structured_outputs=dead_end),
+              r"^structured_outputs: after \d+ output tokens the grammar allows no token"),
+             (SamplingParams(max_tokens=8, min_tokens=2, allowed_token_ids=[eos]),
+              "^allowed_token_ids: after 0 output tokens, allowed_token_ids and min_tokens together")]
+    outs = llm.generate(["Say something."] * (len(cases) + 1), [p for p, _ in cases] + [plain], use_tqdm=False)
+    for out, (_, message) in zip(outs, cases):
+        assert out.invalid_request and re.match(message, out.error), out.error
+    assert outs[1].outputs[0].text == "ab"  # what the grammar allowed streamed out first
+    assert outs[-1].error is None and outs[-1].outputs[0].token_ids == alone
+    assert llm.engine.stats()["num_used_blocks"] == 0
+
+
 @pytest.mark.parametrize("kind, value, message", [("json", "{not json", "the JSON schema is not valid JSON"),
                                                   ("choice", [], "choice must be a non-empty list"),
                                                   ("xml", "x", "must use one of")])

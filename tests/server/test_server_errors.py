@@ -8,6 +8,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.server.server_harness import API_KEY, MAX_BODY_BYTES, get_metrics, metric
@@ -110,6 +111,13 @@ CASES = [
     ("response-format-schema-admits-nothing", "/v1/chat/completions",  # was a 500: no token was ever allowed
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
      400, "response_format", KEY),
+    # Were 500s: a grammar that dead-ends after its first tokens, or whose every next token another
+    # parameter bans, broke the grammar with token 0 (the argmax of a row of -inf) in the runner.
+    ("grammar-dead-end-after-its-first-tokens", "/v1/completions",
+     comp(max_tokens=8, structured_outputs={"grammar": 'root ::= "ab" rest\nrest ::= rest'}), 400,
+     "structured_outputs", KEY),
+    ("allowed-token-ids-against-a-grammar", "/v1/completions",
+     comp(allowed_token_ids=[5, 6], guided_choice=["yes", "no"]), 400, "allowed_token_ids", KEY),
     ("structured-outputs-bad-regex", "/v1/completions", comp(structured_outputs={"regex": "([a-"}), 400,
      "structured_outputs", KEY),
     ("structured-outputs-unknown-key", "/v1/completions", comp(structured_outputs={"xml": "x"}), 400,
@@ -197,6 +205,22 @@ def test_integral_floats_and_tiny_temperatures_are_served(server, auth):
     choices = tiny.json()["choices"]
     assert len(choices) == 2 and tiny.json()["usage"]["completion_tokens"] == 10
     assert all(c["text"] == greedy["choices"][0]["text"] for c in choices)
+
+
+def test_a_dead_end_mid_stream_is_an_error_event_naming_the_field(server, client):
+    """The grammar's first tokens stream out; where it allows nothing more, the stream ends with an
+    OpenAI-shaped error event (the official client raises it) that names structured_outputs."""
+    model = client.models.list().data[0].id
+    grammar = 'root ::= "ab" rest\nrest ::= rest'
+    stream = client.completions.create(model=model, prompt="hello", max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"structured_outputs": {"grammar": grammar}})
+    text = ""
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+    assert text == "ab"
+    assert caught.value.body["type"] == "invalid_request_error" and caught.value.body["param"] == "structured_outputs"
+    assert "after" in caught.value.message and "allows no token" in caught.value.message
 
 
 def test_still_serving_after_bad_input(server, client):
