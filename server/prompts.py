@@ -14,6 +14,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from engine.frontend import chat_template
 from server.errors import bad_request
 
 
@@ -103,10 +104,9 @@ class PromptTokenizer:
                         tools: list | None = None, continue_final_message: bool = False,
                         template_kwargs: dict | None = None) -> Prompt:
         try:
-            text = self._tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                       add_generation_prompt=add_generation_prompt,
-                                                       continue_final_message=continue_final_message,
-                                                       **(template_kwargs or {}))
+            text = chat_template.render(self._tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        template_kwargs=template_kwargs, tools=tools)
         except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
             raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
         # The template already wrote any BOS it wants: by default the tokenizer adds no other.

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from engine.frontend import chat_template
 from engine.sampling_params import GRAMMAR_KINDS, SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams
 
 
@@ -269,6 +270,15 @@ class ChatMessage(_Request):
         return out
 
 
+def _without_field(check, *args) -> None:
+    """Run an engine check whose ValueError starts with the field's name, inside a pydantic
+    validator (which names the field itself)."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+
 def _template_call(call: dict) -> dict:
     fn = dict(call.get("function") or {})
     if isinstance(fn.get("arguments"), str):
@@ -277,12 +287,6 @@ def _template_call(call: dict) -> dict:
         except json.JSONDecodeError:
             pass  # left as the text it is
     return {"type": "function", "id": call.get("id"), "function": fn}
-
-
-# Arguments the server gives the chat template itself: chat_template_kwargs may not set them.
-_TEMPLATE_OWN = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
-                 "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                 "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message")
 
 
 class _ChatTemplateFields(_Request):
@@ -294,20 +298,18 @@ class _ChatTemplateFields(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    # The rules are engine.frontend.chat_template's; checked here too, so that a clash is a 400
+    # naming its field before the prompt is rendered.
     @field_validator("continue_final_message")
     @classmethod
     def _continue_or_open(cls, v, info):
-        if v and info.data.get("add_generation_prompt", True):
-            raise ValueError("the last message cannot be continued when add_generation_prompt opens a new one: "
-                             "set add_generation_prompt to false")
+        _without_field(chat_template.check_continue, info.data.get("add_generation_prompt", True), v)
         return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, v):
-        taken = sorted(set(v or ()) & set(_TEMPLATE_OWN))
-        if taken:
-            raise ValueError(f"{taken[0]!r} is set by the server (use the request's own field where there is one)")
+        _without_field(chat_template.check_template_kwargs, v)
         return v
 
     @property

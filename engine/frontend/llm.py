@@ -8,6 +8,7 @@ import time
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.frontend import chat_template
 from engine.frontend.startup import build_engine_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -63,14 +64,10 @@ class LLM:
         """As vLLM's LLM.chat: continue_final_message leaves the last message open for the model to
         continue (add_generation_prompt must then be False); chat_template_kwargs are more variables
         for the template (e.g. Qwen3's enable_thinking)."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: the last message cannot be continued when "
-                             "add_generation_prompt opens a new one: pass add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message,
-                                                      **(chat_template_kwargs or {}))
-                   for c in conversations]
+        prompts = [chat_template.render(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        template_kwargs=chat_template_kwargs) for c in conversations]
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self._run(list(zip(prompts, ids)), sampling_params, use_tqdm)
 

@@ -36,3 +36,10 @@ def test_template_variables_reach_the_template(tiny_llm):
 def test_continuing_while_opening_a_reply_is_refused(tiny_llm):
     with pytest.raises(ValueError, match="^continue_final_message"):
         tiny_llm.chat(ASK, SamplingParams(max_tokens=1), use_tqdm=False, continue_final_message=True)
+
+
+def test_template_variables_the_call_sets_itself_are_refused(tiny_llm):
+    """chat_template_kwargs may not override what LLM.chat passes the template (tokenize=True would
+    turn the prompt text into token ids): the same rule as the server's."""
+    with pytest.raises(ValueError, match="^chat_template_kwargs: 'tokenize'"):
+        tiny_llm.chat(ASK, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"tokenize": True})
