@@ -180,12 +180,12 @@ class Sampler:
             self._ban_stop_tokens(logits, reqs, banning)
         if constrained:
             self.grammars.apply(logits, bitmask)
-        if restricted or worded or banning or constrained:
-            self._check_left(logits, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         tokens = self.argmax(logits)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
+        if restricted or worded or banning or constrained:
+            self._check_left(logits, tokens, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         token_ids = tokens.tolist()
         for i, state in states.items():  # only once every row has its token: a retry counts nothing twice
             state.add(token_ids[i])
@@ -255,10 +255,13 @@ class Sampler:
                               + ([] if reqs[i].sampling_params.ignore_eos else self.eos_token_ids)])
 
     @staticmethod
-    def _check_left(logits: torch.Tensor, reqs: list[Stream], rows: list[int], banning: list[int]) -> None:
-        """Raise UnsatisfiableRequestError if the masks left one of these rows no token: the
-        argmax of a row of -inf is token 0, which none of them allowed."""
-        empty = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+    def _check_left(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Stream], rows: list[int],
+                    banning: list[int]) -> None:
+        """Raise UnsatisfiableRequestError if the masks left one of these rows no token: the token
+        picked from a row of -inf (by argmax, token 0) is one none of them allowed. Only a row's
+        picked logit is read (greedy and sampling both pick a finite one when there is one)."""
+        index = torch.tensor(rows, device=logits.device)
+        empty = torch.isneginf(logits[index, tokens[index]]).tolist()
         for i, none_left in zip(rows, empty):
             if not none_left:
                 continue
