@@ -220,9 +220,24 @@ class ContentPart(BaseModel):
         return self
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Request):
+    """One of an assistant turn's calls, as the API returned it (`index`: a streamed delta's, kept
+    by clients that assemble calls from deltas)."""
+
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+    index: int | None = None
+
+
 class ChatMessage(_Request):
     role: str
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as the API returned them
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls, as the API returned them
     tool_call_id: str | None = None  # a tool turn: the call it answers
     # None only for an assistant turn that made tool calls (checked after the fields above).
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
@@ -240,6 +255,8 @@ class ChatMessage(_Request):
     @field_validator("content")
     @classmethod
     def _content_or_calls(cls, v, info):
+        if "tool_calls" not in info.data:
+            return v  # tool_calls failed their own validation, which says what to change
         if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
             raise ValueError("Field required (only an assistant turn with tool_calls may omit content)")
         return v
@@ -279,14 +296,12 @@ def _without_field(check, *args) -> None:
         raise ValueError(str(e).split(": ", 1)[-1]) from None
 
 
-def _template_call(call: dict) -> dict:
-    fn = dict(call.get("function") or {})
-    if isinstance(fn.get("arguments"), str):
-        try:
-            fn["arguments"] = json.loads(fn["arguments"])
-        except json.JSONDecodeError:
-            pass  # left as the text it is
-    return {"type": "function", "id": call.get("id"), "function": fn}
+def _template_call(call: MessageToolCall) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments  # left as the text it is
+    return {"type": "function", "id": call.id, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class _ChatTemplateFields(_Request):
