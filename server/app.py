@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 import engine as engine_pkg
 from server.auth import APIKeyMiddleware
 from server.content_type import JSONOnlyMiddleware
-from server.errors import install_error_handlers
+from server.errors import InternalErrorMiddleware, install_error_handlers
 from server.limits import BodySizeLimitMiddleware
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
@@ -69,8 +69,9 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
     for module in (info, completions, chat, embeddings, tokenize):
         app.include_router(module.router)
     install_openapi(app)
-    # Starlette runs the middleware added last first: CORS (answers preflights), then the key
-    # (checked before a byte of the body is read), then JSON only, then the size limit.
+    # Starlette runs the middleware added last first: a 500 for what no handler took, CORS (answers
+    # preflights), then the key (checked before a byte of the body is read), then JSON only, then
+    # the size limit.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(JSONOnlyMiddleware)
     if api_key:
@@ -78,6 +79,7 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(InternalErrorMiddleware)
     app.state.engine = engine
     app.state.shutdown_timeout = shutdown_timeout
     return app

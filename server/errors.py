@@ -109,8 +109,31 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        # The traceback goes to the server log (uvicorn logs it again); clients get no internals.
-        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal server error", code="internal_error")
+
+class InternalErrorMiddleware:
+    """A 500 in OpenAI's shape for an exception no handler took, with the traceback in the server
+    log and no internals for the client. Sent here, not by an exception handler for Exception:
+    Starlette's ServerErrorMiddleware, which runs those, re-raises after sending, and uvicorn then
+    closes the connection, so a keep-alive client's next request on it failed with a reset. Added
+    last (outermost of ours), so it also covers the other middleware."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise  # a response under way cannot turn into a 500: uvicorn closes the connection
+            logger.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            await error_response(500, "internal server error", code="internal_error")(scope, receive, send)
