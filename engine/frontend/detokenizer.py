@@ -3,7 +3,8 @@
 Text is decoded over a short sliding window of tokens: decoding ids[prefix:read] and ids[prefix:]
 and emitting the difference keeps the tokenizer's own spacing rules (e.g. SentencePiece's
 leading spaces) without re-decoding the whole output every step. A window that ends in U+FFFD
-is an unfinished multi-byte character: nothing is emitted until the next token completes it.
+is an unfinished multi-byte character: nothing is emitted until the next token completes it (or
+the output ends there: then its bytes come out as U+FFFD, as a whole decode gives them).
 
 Text is released through `take()`. While a choice runs, the last (longest stop string - 1)
 characters are held back: a stop string completed later may still claim them, and text already
@@ -41,16 +42,24 @@ class IncrementalDetokenizer:
         if self.stopped:
             return None
         self.ids.append(token_id)
+        delta = self._window_text(final=False)
+        if not delta:
+            return None
+        self.pending += delta
+        return self._check_stop(len(delta)) if may_stop else None
+
+    def _window_text(self, final: bool) -> str:
+        """The window's new text, and the window slides past it; "" while it ends in an unfinished
+        character, unless `final` (the output ends there: its bytes come out as U+FFFD, as a
+        whole decode of the output gives them)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None
-        delta = new_text[len(prefix_text):]
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
         # Slide the window and drop what is left of it: the ids kept stay a handful.
         del self.ids[:self.read_offset]
         self.prefix_offset, self.read_offset = 0, len(self.ids)
-        self.pending += delta
-        return self._check_stop(len(delta)) if may_stop else None
+        return new_text[len(prefix_text):]
 
     def _check_stop(self, delta_len: int) -> str | None:
         """End at the stop string that occurs first in the text (one token's text can complete
@@ -72,6 +81,9 @@ class IncrementalDetokenizer:
     def take(self, finished: bool) -> str:
         """The text released since the last call: all of it once the choice has finished, else all
         but the held-back tail."""
+        if finished and not self.stopped and (tail := self._window_text(final=True)):
+            self.pending += tail  # an unfinished character the output ended in
+            self._check_stop(len(tail))
         keep = 0 if finished or self.stopped else self.holdback
         cut = max(0, len(self.pending) - keep)
         out, self.pending = self.pending[:cut], self.pending[cut:]

@@ -76,6 +76,30 @@ def test_incremental_detokenization_never_emits_broken_characters(tiny_llm):
     assert released + detok.take(finished=True) == tok.decode(ids) == text
 
 
+def test_an_output_that_ends_mid_character_keeps_its_bytes(tiny_llm):
+    """Cut mid-character (max_tokens), the text ends in U+FFFD as the tokenizer's own decode of the
+    output gives it, streamed or not; it lost those bytes before (held back for a next token
+    that never came)."""
+    tok = tiny_llm.tokenizer
+    ids = tok("🙂🙂", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 4, "an emoji spans several byte tokens here"
+    for cut in range(1, len(ids) + 1):
+        want = tok.decode(ids[:cut])
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+        released = ""
+        for t in ids[:cut]:
+            detok.add_token(t)
+            released += detok.take(finished=False)
+        assert released + detok.take(finished=True) == want, cut
+    assert any(tok.decode(ids[:cut]).endswith("\ufffd") for cut in range(1, len(ids)))
+    # End to end: the output's text is the decode of its tokens (allowed_token_ids: one byte token,
+    # never a whole character).
+    byte = ids[0]
+    out = tiny_llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0.0, allowed_token_ids=[byte]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [byte] * 3 and out.text == tok.decode([byte] * 3) != ""
+
+
 class _CharTokenizer:
     """Token i decodes to PIECES[i]: one token can complete several stop strings at once."""
 
