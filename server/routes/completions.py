@@ -98,7 +98,9 @@ class _Renderer:
 
     async def events(self, streams):
         """Each delta as a chunk; the work per chunk is that of its new text and tokens."""
-        sent_chars: dict[int, int] = {}  # choice index -> characters sent (the next text_offset)
+        # choice index -> where its next token's text starts (the next text_offset: the token texts
+        # before it, as a whole response counts them, not the text sent, which holds some back)
+        next_offset: dict[int, int] = {}
         prompt_logprobs: dict[int, list] = {}  # prompt -> its logprobs, for echo (with the first delta)
         completion_tokens = 0
         merged = merge(streams)
@@ -109,15 +111,17 @@ class _Renderer:
                 for c in output.outputs:
                     idx = i * self.body.n + c.index
                     completion_tokens += len(c.token_ids)
-                    echo = self.body.echo and idx not in sent_chars
+                    echo = self.body.echo and idx not in next_offset
                     # Tokens whose text is still held back (a partial character or stop string)
                     # send nothing yet, unless the client wants their logprobs now.
                     if not (c.text or echo or c.finish_reason or (c.token_ids and self.body.logprobs is not None)):
                         continue
                     text = (self._prompt_text(i) if echo else "") + c.text
-                    yield event(_chunk(self, [self._choice(i, c, text, sent_chars.get(idx, 0), echo,
-                                                           prompt_logprobs.get(i))]))
-                    sent_chars[idx] = sent_chars.get(idx, 0) + len(c.text)
+                    choice = self._choice(i, c, text, next_offset.get(idx, 0), echo, prompt_logprobs.get(i))
+                    yield event(_chunk(self, [choice]))
+                    lp = choice.logprobs
+                    next_offset[idx] = (lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens
+                                        else next_offset.get(idx, 0))
             if self.body.include_usage:
                 yield event(_chunk(self, [], usage=self._usage(completion_tokens)))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream

@@ -58,13 +58,35 @@ def test_completion_n2_and_seed(client):
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded sampling repeats
 
 
+def _same_when_streamed(client, model, whole, **kw) -> bool:
+    """The same request streamed gives the whole response's tokens, logprobs and text offsets."""
+    chunks = [c.choices[0] for c in client.completions.create(model=model, prompt=PROMPT, temperature=0, stream=True,
+                                                               **kw) if c.choices and c.choices[0].logprobs]
+    got = {name: sum((getattr(c.logprobs, name) for c in chunks), []) for name in ("tokens", "text_offset")}
+    lp = whole.choices[0].logprobs
+    assert got == {"tokens": lp.tokens, "text_offset": lp.text_offset}, (got, lp)
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    return True
+
+
+def test_streamed_text_offsets_are_the_whole_responses(client):
+    """Streamed, text_offset counts the token texts before each token, as the whole response does:
+    not the characters sent so far, which a stop string's hold-back and echo's prompt made differ."""
+    model = client.models.list().data[0].id
+    for kw in (dict(max_tokens=10, logprobs=1, stop=["zzzzzzzzzz"]), dict(max_tokens=5, logprobs=2, echo=True,
+                                                                         stop=["zzzzzzzzzz"])):
+        whole = client.completions.create(model=model, prompt=PROMPT, temperature=0, **kw)
+        assert _same_when_streamed(client, model, whole, **kw)
+
+
 def test_completion_logprobs_and_echo(client):
     model = client.models.list().data[0].id
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     n = r.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
-    # token strings render partial UTF-8 bytes as U+FFFD; the final text drops an unfinished tail
+    # token strings render each partial UTF-8 byte as U+FFFD; the text, whole characters (and U+FFFD
+    # only for an unfinished one it ends in)
     assert "".join(lp.tokens).replace("\ufffd", "") == r.choices[0].text.replace("\ufffd", "")
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 1 <= len(top) <= 4  # ids sharing a text (partial bytes) share a key
@@ -72,6 +94,7 @@ def test_completion_logprobs_and_echo(client):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
     echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    assert _same_when_streamed(client, model, echo, max_tokens=4, echo=True, logprobs=1)
     assert echo.choices[0].text.startswith(PROMPT)
     elp = echo.choices[0].logprobs
     assert elp.token_logprobs[0] is None  # the first prompt token has no context to score it
