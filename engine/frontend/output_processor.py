@@ -139,8 +139,9 @@ class OutputProcessor:
                 choice.token_ids.append(tok)
                 if choice.logprobs is not None:
                     choice.logprobs.append(entry)
-            if i == last and out.finish_reason == "stop":
-                break  # the core ended the choice on this token (EOS or a stop id): it is not text
+            if i == last and out.finish_reason == "stop" and not (out.stop_reason is not None
+                                                                 and req.params.include_stop_str_in_output):
+                break  # the core ended the choice on this token (EOS, or a stop id not asked for): not text
             found = choice.detokenizer.add_token(tok, may_stop=choice.num_tokens >= req.params.min_tokens)
             if found is not None:
                 choice.finish_reason, choice.stop_reason = "stop", found

@@ -58,6 +58,14 @@ def test_length_finish_reason_and_stop_token_ids(tiny_llm):
                                                         stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert cut.token_ids == out.token_ids[: first + 1]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
+    # The stop token's text is the text's end only when asked for (vLLM's include_stop_str_in_output).
+    tok = tiny_llm.tokenizer
+    assert cut.text == tok.decode(out.token_ids[:first], skip_special_tokens=True)
+    kept = tiny_llm.generate([[4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                         stop_token_ids=[stop_id], include_stop_str_in_output=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == cut.token_ids and kept.stop_reason == stop_id
+    assert kept.text == tok.decode(out.token_ids[: first + 1], skip_special_tokens=True) != cut.text
 
 
 def test_incremental_detokenization_never_emits_broken_characters(tiny_llm):
