@@ -108,11 +108,11 @@ def calls_from_text(p: Plan, text: str, parser: str | None) -> tuple[str | None,
     if p.mode == "named":
         return None, [ToolCall(p.name, text)]
     if p.mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut off by max_tokens before the array closed
-        return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in calls]
+        # The arguments as generated, as a stream sends them; a call cut short (max_tokens, a stop
+        # string) keeps what was generated of them, as streamed; text cut before the first call's
+        # name is complete is content, as streamed.
+        calls = partial_calls("required", None, text)
+        return (None, [ToolCall(c.name, c.arguments) for c in calls]) if calls else (text, [])
     if p.mode == "auto":
         return parse(parser, text)
     return text, []

@@ -173,6 +173,22 @@ def test_required_calls_validate(client, parallel):
         (c.function.name, json.loads(c.function.arguments)) for c in calls]  # the same calls, seeded
 
 
+@pytest.mark.parametrize("cut", [dict(max_tokens=n) for n in (3, 24, 34, 40)] + [dict(max_tokens=60, stop=["}"])])
+def test_required_calls_cut_short_are_the_same_streamed_or_not(client, cut):
+    """max_tokens or a stop string that cuts the "required" array short: the whole response holds
+    what a stream sent (the calls whose names are complete, their arguments as far as generated;
+    before that, the text as content) and the same finish_reason. The whole response gave the raw
+    text as content where the stream had sent a call."""
+    model = client.models.list().data[0].id
+    request = dict(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, **cut)
+    r = client.chat.completions.create(**request).choices[0]
+    content, calls, _, finish = _streamed_calls(client.chat.completions.create(stream=True, **request))
+    whole = [(c.function.name, c.function.arguments) for c in r.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == whole
+    assert (content or None) == r.message.content and finish == r.finish_reason
+    assert finish == ("tool_calls" if whole and "stop" in cut else "length" if "stop" not in cut else "stop")
+
+
 def test_auto_with_the_hermes_parser_whole_and_streamed(client):
     """The tiny random model never writes a call by itself: a regex (vLLM's structured_outputs)
     makes it write one, and the parser, which knows nothing of the regex, finds it."""
