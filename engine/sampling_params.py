@@ -121,7 +121,8 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                got = repr(getattr(self, name))  # a value of thousands of items is not echoed whole
+                raise ValueError(f"{name} must be {rule}, got {got if len(got) <= 200 else got[:200] + '...'}")
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import numpy as np
 import torch
@@ -49,7 +50,11 @@ def _grammar(xgr, spec: GrammarSpec):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
         return xgr.Grammar.from_ebnf(spec.spec)
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
-        raise ValueError(f"structured_outputs: the {spec.kind} could not be compiled: {e}") from None
+        why = _XGRAMMAR_SOURCE.sub("", str(e)).strip()  # its time and C++ source line say nothing to a client
+        raise ValueError(f"structured_outputs: the {spec.kind} could not be compiled: {why}") from None
+
+
+_XGRAMMAR_SOURCE = re.compile(r"\[[\d:]+\] \S+\.(?:cc|h|cpp):\d+: ")
 
 
 def _unenforced(schema) -> str | None:

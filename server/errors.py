@@ -72,8 +72,11 @@ def validation_error(errors: list[dict]) -> APIError:
     # ValueErrors say more than "Input should be a valid string", so they win.
     err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if err.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
-                           code="invalid_json")
+        why = err.get("ctx", {}).get("error", err["msg"])
+        if "recursion limit" in why:  # valid JSON, past the parser's depth
+            return bad_request("request body is nested too deeply (over ~200 levels of arrays and objects)",
+                               code="invalid_json")
+        return bad_request(f"request body is not valid JSON: {why}", code="invalid_json")
     param = format_loc(err.get("loc", ())) or None
     msg = err.get("msg", "invalid value")
     if err.get("type") == "extra_forbidden":

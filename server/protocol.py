@@ -394,12 +394,17 @@ class TokenizeRequest(_ChatTemplateFields):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     return_token_strs: bool = False
 
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v):
+        if v is not None and not v:
+            raise ValueError("must not be empty")
+        return v
+
     @model_validator(mode="after")
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages must not be empty")
         return self
 
 

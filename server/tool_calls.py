@@ -62,7 +62,7 @@ def _functions(tools: list) -> dict[str, dict]:
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and fn["name"]):
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                             "{...}}}}")
+                             "{...}}}")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")

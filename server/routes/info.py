@@ -31,7 +31,7 @@ async def get_model(model: str, request: Request):
     return _card(request)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers probe with
 async def health(request: Request):
     try:
         get_state(request).engine.check_health()

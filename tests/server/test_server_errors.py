@@ -42,6 +42,10 @@ CASES = [
      {**KEY, "Content-Type": "text/plain"}),
     ("no-content-type", "/v1/chat/completions", {"content": b'{"messages": []}'}, 415, None, KEY),
     ("form-body", "/v1/completions", {"data": {"prompt": "hi"}}, 415, None, KEY),
+    ("gzip-body", "/v1/completions", {"content": b'{"prompt": "hi"}'}, 415, None, {**KEYJ, "Content-Encoding": "gzip"}),
+    ("utf16-charset", "/v1/completions", {"content": '{"prompt": "hi"}'.encode("utf-16")}, 415, None,
+     {**KEY, "Content-Type": "application/json; charset=utf-16"}),
+    ("post-to-a-get-route", "/health", {}, 405, None, KEY),  # no body: the route's 405, not the body's 415
     # The bad-input probe's five requests that each stopped the engine for everyone.
     ("seed-2**64", "/v1/completions", comp(seed=2**64), 400, "seed", KEY),
     ("seed-2**64-1-n2", "/v1/chat/completions", chat(seed=2**64 - 1, n=2), 400, "seed", KEY),
@@ -189,6 +193,25 @@ def test_bad_input(server, case, path, kwargs, status, param, headers):
         assert err["param"] == param, err
     if status == 401:
         assert r.headers.get("www-authenticate") == "Bearer"
+
+
+def test_messages_say_what_to_change_and_nothing_internal(server):
+    """The probe's complaints: a message that blamed valid JSON, echoed a 2,000-item list, or
+    quoted xgrammar's C++ source line; /tokenize's empty messages without a param; HEAD /health."""
+    def error(path, headers=KEY, **kwargs):
+        r = httpx.post(server.url + path, headers=headers, timeout=30, **kwargs)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    deep = error("/v1/completions", content=b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}",
+                 headers=KEYJ)
+    assert "nested too deeply" in deep["message"]
+    assert len(error("/v1/completions", json={"prompt": "hi", "stop": ["a"] * 2000})["message"]) < 400
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}
+    schema = error("/v1/chat/completions", json={"messages": MSG, "tools": [bad_schema], "tool_choice": "required"})
+    assert "properties must be an object" in schema["message"] and ".cc:" not in schema["message"]
+    assert error("/tokenize", json={"messages": []})["param"] == "messages"
+    assert httpx.head(server.url + "/health").status_code == 200
 
 
 def test_unparseable_http_gets_a_json_400(server):
