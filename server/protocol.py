@@ -405,6 +405,9 @@ class TokenizeRequest(_ChatTemplateFields):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        template = sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields))
+        if self.prompt is not None and template:
+            raise ValueError(f"{template[0]} applies to messages (the chat template), not to a prompt: remove it")
         return self
 
 

@@ -169,6 +169,8 @@ CASES = [
     ("tokenize-neither", "/tokenize", {"json": {}}, 400, None, KEY),
     ("tokenize-both", "/tokenize", {"json": {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}}, 400,
      None, KEY),
+    ("tokenize-template-options-with-a-prompt", "/tokenize",
+     {"json": {"prompt": "a", "continue_final_message": True, "add_generation_prompt": False}}, 400, None, KEY),
     ("tokenize-without-key", "/tokenize", {"json": {"prompt": "a"}}, 401, None, {}),
     ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 10**6]}}, 400, "tokens", KEY),
     ("detokenize-negative", "/detokenize", {"json": {"tokens": [-1]}}, 400, "tokens", KEY),
