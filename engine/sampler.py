@@ -181,11 +181,13 @@ class Sampler:
         if constrained:
             self.grammars.apply(logits, bitmask)
         tokens = self.argmax(logits)
+        if restricted or worded or banning or constrained:
+            # before any noise is drawn: a seeded stream sampled again after another's failure draws
+            # what it would have drawn
+            self._check_left(logits, tokens, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
-        if restricted or worded or banning or constrained:
-            self._check_left(logits, tokens, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         token_ids = tokens.tolist()
         for i, state in states.items():  # only once every row has its token: a retry counts nothing twice
             state.add(token_ids[i])
@@ -257,11 +259,11 @@ class Sampler:
     @staticmethod
     def _check_left(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Stream], rows: list[int],
                     banning: list[int]) -> None:
-        """Raise UnsatisfiableRequestError if the masks left one of these rows no token: the token
-        picked from a row of -inf (by argmax, token 0) is one none of them allowed. Only a row's
-        picked logit is read (greedy and sampling both pick a finite one when there is one)."""
+        """Raise UnsatisfiableRequestError if the masks left one of these rows no token: its argmax
+        (token 0 in a row of -inf) is one none of them allowed. Only the argmax's logit is read."""
         index = torch.tensor(rows, device=logits.device)
         empty = torch.isneginf(logits[index, tokens[index]]).tolist()
+        errors = {}
         for i, none_left in zip(rows, empty):
             if not none_left:
                 continue
@@ -277,7 +279,9 @@ class Sampler:
                 why = f"{after} the grammar allows no token (a rule that only refers to itself?)"
             else:
                 why = f"{after} it leaves no token to sample"
-            raise UnsatisfiableRequestError(f"{fields[0]}: {why}")
+            errors[i] = UnsatisfiableRequestError(f"{fields[0]}: {why}")
+        if errors:
+            raise UnsatisfiableRequestError(str(next(iter(errors.values()))), errors)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
         device = logits.device

@@ -28,7 +28,12 @@ GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class UnsatisfiableRequestError(ValueError):
     """A request's own parameters leave no token to sample at some step of its output (say,
     allowed_token_ids that its grammar never allows there): found as it runs, so it ends that
-    request alone, reported to its client as a bad request (HTTP 400), not as an engine fault."""
+    request alone, reported to its client as a bad request (HTTP 400), not as an engine fault.
+    Raised for a batch, `rows` holds each such row's own error (row index -> error)."""
+
+    def __init__(self, message: str, rows: dict | None = None):
+        super().__init__(message)
+        self.rows = rows or {}
 
 
 @dataclass(frozen=True)

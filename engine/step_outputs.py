@@ -41,22 +41,34 @@ class StepOutputs:
         keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
         if len(keep) < len(streams):
             logits, streams = logits[keep], [streams[i] for i in keep]
-        try:
-            results = list(zip(streams, self.sampler(logits, streams)))
-        except Exception:
-            logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
-            results = []
-            for i, state in enumerate(streams):
-                try:
-                    results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
-                except Exception as e:
-                    self._failed(out, state, e)
-        for state, token in results:
+        for state, token in self._sample_rows(out, logits, streams):
             if state.grammar is not None and not state.grammar.accept_token(token.token_id):
                 # Only a grammar that allows nothing but a banned token gets here (say, EOS under min_tokens).
                 self._failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
                 continue
             out.sampled.append((state.req_id, token))
+
+    def _sample_rows(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]):
+        """(stream, token) for the streams sampling does not fail."""
+        while streams:
+            try:
+                return list(zip(streams, self.sampler(logits, streams)))
+            except Exception as e:
+                if isinstance(e, UnsatisfiableRequestError) and e.rows:  # it names its rows: they end, the
+                    for i, error in e.rows.items():                      # rest are sampled again at once
+                        self._failed(out, streams[i], error)
+                    keep = [i for i in range(len(streams)) if i not in e.rows]
+                    logits, streams = logits[keep], [streams[i] for i in keep]
+                    continue
+                logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
+                results = []
+                for i, state in enumerate(streams):
+                    try:
+                        results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
+                    except Exception as e:
+                        self._failed(out, state, e)
+                return results
+        return []
 
     def _grammars(self):
         if self.sampler.grammars is None:

@@ -113,9 +113,10 @@ def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
     """allowed_token_ids the grammar never allows, a grammar that dead-ends after its first tokens,
     or only the end token allowed under min_tokens: the request ends with an error naming the
     fields (invalid_request: its client's to change, an HTTP 400), not token 0 sampled from a row
-    of -inf; its neighbour gets what it gets alone, and no KV block stays taken."""
+    of -inf; its neighbours get what they get alone, and no KV block stays taken."""
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    alone = llm.generate(["Say something."], plain, use_tqdm=False)[0].outputs[0].token_ids
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["Say something."] * 2, [plain, seeded], use_tqdm=False)]
     eos = llm.engine.eos_token_ids[0]
     dead_end = GrammarSpec.of("grammar", 'root ::= "ab" rest\nrest ::= rest')
     cases = [(SamplingParams(max_tokens=8, allowed_token_ids=[5, 6], structured_outputs=GrammarSpec.of(
@@ -125,11 +126,13 @@ def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
               r"^structured_outputs: after \d+ output tokens the grammar allows no token"),
              (SamplingParams(max_tokens=8, min_tokens=2, allowed_token_ids=[eos]),
               "^allowed_token_ids: after 0 output tokens, allowed_token_ids and min_tokens together")]
-    outs = llm.generate(["Say something."] * (len(cases) + 1), [p for p, _ in cases] + [plain], use_tqdm=False)
+    outs = llm.generate(["Say something."] * (len(cases) + 2), [p for p, _ in cases] + [plain, seeded],
+                        use_tqdm=False)
     for out, (_, message) in zip(outs, cases):
         assert out.invalid_request and re.match(message, out.error), out.error
     assert outs[1].outputs[0].text == "ab"  # what the grammar allowed streamed out first
-    assert outs[-1].error is None and outs[-1].outputs[0].token_ids == alone
+    # the neighbours, sampled again without the failed rows: a seeded one draws what it draws alone
+    assert [o.error for o in outs[-2:]] == [None, None] and [o.outputs[0].token_ids for o in outs[-2:]] == alone
     assert llm.engine.stats()["num_used_blocks"] == 0
 
 
