@@ -76,6 +76,8 @@ def validation_error(errors: list[dict]) -> APIError:
         if "recursion limit" in why:  # valid JSON, past the parser's depth
             return bad_request("request body is nested too deeply (over ~200 levels of arrays and objects)",
                                code="invalid_json")
+        if "hex escape" in why:  # serde's words for a lone surrogate: say what it means
+            why += " (a \\ud800-\\udfff escape is half of a UTF-16 surrogate pair and needs its other half)"
         return bad_request(f"request body is not valid JSON: {why}", code="invalid_json")
     param = format_loc(err.get("loc", ())) or None
     msg = err.get("msg", "invalid value")

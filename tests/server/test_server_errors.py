@@ -208,6 +208,8 @@ def test_messages_say_what_to_change_and_nothing_internal(server):
     deep = error("/v1/completions", content=b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}",
                  headers=KEYJ)
     assert "nested too deeply" in deep["message"]
+    lone = error("/v1/completions", content=b'{"prompt": "h\\ud800i"}', headers=KEYJ)
+    assert "surrogate pair" in lone["message"]
     assert len(error("/v1/completions", json={"prompt": "hi", "stop": ["a"] * 2000})["message"]) < 400
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}
     schema = error("/v1/chat/completions", json={"messages": MSG, "tools": [bad_schema], "tool_choice": "required"})
