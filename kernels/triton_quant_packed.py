@@ -231,14 +231,25 @@ def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count
         acc += d * s + mn * xs[:, None]
         wr += WORDS
         words, d, mn = next_words, next_d, next_mn
-    y = tl.sum(acc, axis=0)
+    finish_row(tl.sum(acc, axis=0), out_ptr, part_ptr, count_ptr, bias_ptr, cols, col_in, stride_split, PARTIAL,
+               HAS_BIAS)
+
+
+@triton.jit
+def finish_row(y, out_ptr, part_ptr, count_ptr, bias_ptr, cols, col_in, stride_split, PARTIAL: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """A one-row program's float32 sums y over its split of K, for columns `cols` (where col_in):
+    stored (+ bias) in out's dtype; or, K split over axis 1 (PARTIAL), written as the split's partial,
+    and the last of the column tile's splits to arrive (axis 0: the tile) sums the partials in split
+    order (the result does not depend on who came last), stores, and sets the tile's count back to 0
+    for the next launch."""
     if PARTIAL:
         tile = tl.program_id(0)
         tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y, mask=col_in)
         tl.debug_barrier()  # every thread's partial stored before the count says so (release below)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            y = tl.zeros_like(y)
             for split in range(0, tl.num_programs(1)):
                 y += tl.load(part_ptr + split * stride_split + cols, mask=col_in, other=0.0, cache_modifier=".cg")
             _store_row(out_ptr, bias_ptr, y, cols, col_in, HAS_BIAS)

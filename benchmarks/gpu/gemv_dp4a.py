@@ -88,20 +88,8 @@ def gemv_q8x_kernel(x_ptr, words_ptr, scales_ptr, out_ptr, part_ptr, count_ptr, 
                     tl.zeros((G, 4, BLOCK_N), dtype=tl.int32), EMULATE)
         dot = _dp4a((words >> 4) & 0x0F0F0F0F, tl.broadcast_to(xb[:, :, None], (G, 4, BLOCK_N)), dot, EMULATE)
         acc += d * (dx[:, None] * tl.sum(dot, axis=1).to(tl.float32)) + m * sx[:, None]
-    y = tl.sum(acc, axis=0)
-    if PARTIAL:
-        tile = tl.program_id(0)
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for split in range(0, tl.num_programs(1)):
-                y += tl.load(part_ptr + split * stride_split + cols, cache_modifier=".cg")
-            tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(count_ptr + tile, 0)
-    else:
-        tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+    tqp.finish_row(tl.sum(acc, axis=0), out_ptr, part_ptr, count_ptr, out_ptr, cols, cols < N, stride_split, PARTIAL,
+                   False)
 
 
 def gemv_q8x(x: torch.Tensor, w: tqp.PackedWeight, block_n: int = 128, g: int = 16, num_warps: int = 4,

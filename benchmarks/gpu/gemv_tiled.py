@@ -88,20 +88,9 @@ def gemv_tiled_kernel(x_ptr, words_ptr, scales_ptr, out_ptr, part_ptr, count_ptr
         acc += d * s + mn * xs[:, None]
         wr += WORDS
         words, d, mn = next_words, next_d, next_mn
-    y = tl.sum(acc, axis=0)
     cols = t * BLOCK_N + c
-    if PARTIAL:
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + cols, y)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for split in range(0, tl.num_programs(1)):
-                y += tl.load(part_ptr + split * stride_split + cols, cache_modifier=".cg")
-            tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(count_ptr + t, 0)
-    else:
-        tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+    tqp.finish_row(tl.sum(acc, axis=0), out_ptr, part_ptr, count_ptr, out_ptr, cols, cols < N, stride_split, PARTIAL,
+                   False)
 
 
 def splits_for(n: int, k: int, block_n: int, words: int, programs_per_sm: int, num_sms: int) -> int:
