@@ -9,6 +9,7 @@ This module imports nothing heavy: `engine plan` shares its vocabulary and must 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,7 @@ def parse_size(text) -> int:
     return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens a KV block holds (the kernels' tiles divide them)
 GGUF_WEIGHTS = ("native", "dequantize")
 GGUF_ACTIVATIONS = ("int16", "int8", "float")
 # --quantization: int8 / int4 / fp8 quantize a float checkpoint at load (engine/quant/quantize.py);
@@ -113,9 +115,9 @@ class EngineConfig:
     # KV cache size: kv_cache_memory if given (any device); else on CPU a fixed budget, on CUDA what
     # gpu_memory_utilization leaves after weights, the profiled peak and the CUDA graphs (vLLM's
     # rule). num_kv_blocks overrides them all (tests, debugging).
-    kv_cache_memory: int | None = _knob(None, "KV cache budget on any device, in bytes or with a unit (512MiB, 4GiB, "
-                                              "4GB) (default: 2GiB on CPU; on CUDA what --gpu-memory-utilization "
-                                              "leaves)")
+    kv_cache_memory: int | str | None = _knob(None, "KV cache budget on any device, in bytes or with a unit "
+                                                    "(512MiB, 4GiB, 4GB) (default: 2GiB on CPU; on CUDA what "
+                                                    "--gpu-memory-utilization leaves)")
     gpu_memory_utilization: float = _knob(0.90, "CUDA: the fraction of the GPU's memory the engine may use "
                                                 "(weights, activations, CUDA graphs and KV cache)")
     enforce_eager: bool = _knob(False, "CUDA: run every step eagerly, capturing no CUDA graphs (vLLM's flag); on "
@@ -178,6 +180,8 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
+        self._check_types()
+        check(-(1 << 63) <= self.seed < 1 << 64, "seed", "a 64-bit integer (what torch's generators take)")
         self.dtype = canonical_dtype(self.dtype)
         self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
@@ -196,7 +200,7 @@ class EngineConfig:
               "load (a GGUF file's head is served as stored, a pre-quantized checkpoint's as its config says): add "
               "--quantization int4 (or int8, fp8), or drop --quantize-lm-head")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}")
-        check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
+        check(self.block_size in BLOCK_SIZES, "block_size", f"one of {', '.join(map(str, BLOCK_SIZES))}")
         if self.kv_cache_memory is not None:
             try:
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -231,9 +235,33 @@ class EngineConfig:
                     f"model path {self.model!r} does not exist: pass a folder with config.json and "
                     "*.safetensors, a .gguf file, or no model for the embedded default"
                 )
+        if self.tokenizer is not None:
+            self.tokenizer = os.path.expanduser(str(self.tokenizer))
+            if not os.path.exists(self.tokenizer):
+                raise ValueError(f"tokenizer path {self.tokenizer!r} does not exist: pass a folder with the "
+                                 "tokenizer's files (tokenizer.json or tokenizer_config.json), or leave it unset "
+                                 "for the model's own")
         if self.chat_template is not None:
             self._check_chat_template()
         _warn_removed_env()
+
+    def _check_types(self) -> None:
+        """Numbers and flags are what their fields say (the CLI's argparse converts; the Python API
+        passes values through): an int is no bool or float, a float is finite, a bool is a bool."""
+        for f in fields(self):
+            kinds = {k.strip() for k in f.type.split("|")}
+            value = getattr(self, f.name)
+            if not kinds <= {"int", "float", "bool", "None"} or (value is None and "None" in kinds):
+                continue  # a text, a list or a size with a unit: checked below
+            if "bool" in kinds:
+                ok, rule = isinstance(value, bool), "True or False"
+            elif "float" in kinds:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                rule = "a finite number"
+            else:
+                ok, rule = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            if not ok:
+                raise ValueError(f"{f.name} must be {rule}{' or None' if 'None' in kinds else ''}, got {value!r}")
 
     @property
     def layer_partition(self) -> tuple[int, ...] | None:

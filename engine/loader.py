@@ -245,7 +245,12 @@ def _set_chat_template(tokenizer, chat_template: str | None) -> None:
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:  # transformers' words, without the traceback
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"tokenizer: no tokenizer could be loaded from {path!r} ({why}): it needs tokenizer.json "
+                         "or tokenizer_config.json with its vocabulary files") from None
 
 
 def _eos_ids(tokenizer, hf_config, folder: str | None) -> list[int]:
