@@ -33,9 +33,12 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
     data-parallel front, the server before it queues anything) calls this one function."""
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
+    if params.pooling is not None and len(ids) > max_model_len:  # an embedding generates nothing
+        raise ValueError(f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}: "
+                         "shorten the input")
+    if params.pooling is None and len(ids) >= max_model_len:
         raise ValueError(
             f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
             "which must leave room for at least one generated token: shorten the prompt")

@@ -14,7 +14,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # a dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}
 
 
 class LLM:
@@ -43,10 +43,12 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p if isinstance(p, str) else None, self._token_ids(p)) for p in prompts], sampling_params,
-                         use_tqdm)
+        if not isinstance(prompts, list):
+            raise ValueError(f"prompts must be a string, a list of token ids, a dict ({{'prompt': ...}} or "
+                             f"{{'prompt_token_ids': ...}}) or a list of those, got {type(prompts).__name__}")
+        return self._run([self._prompt(p, i) for i, p in enumerate(prompts)], sampling_params, use_tqdm)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "last", use_tqdm: bool = True) -> list[list[float]]:
         """One embedding per prompt: the final hidden states (after the last norm) of its last token
@@ -64,24 +66,38 @@ class LLM:
         """As vLLM's LLM.chat: continue_final_message leaves the last message open for the model to
         continue (add_generation_prompt must then be False); chat_template_kwargs are more variables
         for the template (e.g. Qwen3's enable_thinking)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        if not one and not (isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages)):
+            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                             f"list of conversations, got {str(messages)[:100]!r}")
+        conversations = [chat_template.conversation(messages)] if one else [
+            chat_template.conversation(c, f"messages[{j}]") for j, c in enumerate(messages)]
         prompts = [chat_template.render(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
                                         template_kwargs=chat_template_kwargs) for c in conversations]
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self._run(list(zip(prompts, ids)), sampling_params, use_tqdm)
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of prompts[i]; ValueError naming it when it is neither."""
+        if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        return list(prompt)
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a dict with one key, 'prompt' or "
+                         f"'prompt_token_ids', got {str(prompt)[:100]!r}")
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         order = {}
         try:
             for (text, ids), p in zip(prompts, params):
@@ -89,7 +105,7 @@ class LLM:
                 self.engine.add_request(rid, ids, p)
                 self.output_processor.add_request(rid, text, ids, p, delta=False)
                 order[rid] = len(order)
-        except ValueError:
+        except BaseException:
             self.engine.abort_request(list(order))  # nothing half-submitted stays behind (blocks freed now)
             for rid in order:
                 self.output_processor.abort(rid)

@@ -104,10 +104,58 @@ def test_unknown_model_type_names_supported(tiny_models, tmp_path):
     (dict(dtype="float64"), "dtype"), (dict(block_size=7), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(attention_backend="cudnn"), "attention_backend"),
+    # The Python API passes values as given (argparse converts the CLI's): these were torch or
+    # comparison errors deep in start-up, or (True) a context of one token.
+    (dict(seed=None), "seed must be an integer"), (dict(seed="1"), "seed must be an integer"),
+    (dict(seed=10**30), "seed must be a 64-bit integer"), (dict(max_model_len="abc"), "max_model_len"),
+    (dict(max_model_len=100.5), "max_model_len"), (dict(max_model_len=True), "max_model_len"),
+    (dict(block_size=16.0), "block_size"), (dict(max_num_seqs=2.0), "max_num_seqs"),
+    (dict(distributed_timeout_s=float("inf")), "distributed_timeout_s must be a finite number"),
+    (dict(enable_prefix_caching=1), "enable_prefix_caching must be True or False"),
 ])
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_bad_offline_api_input_names_the_argument_and_leaves_nothing_queued(tiny_llm):
+    """LLM's own arguments: a ValueError naming the prompt, message or sampling_params entry (they
+    were TypeErrors, jinja2 errors, or defaults in silence), and nothing half-submitted stays (a
+    request queued before a bad sampling_params entry was run at the next generate)."""
+    sp = SamplingParams(max_tokens=2)
+    cases = [
+        (lambda: tiny_llm.generate(["a", "b"], [sp, {"max_tokens": 2}]), r"^sampling_params\[1\] must be"),
+        (lambda: tiny_llm.generate(["a"], []), "got 0 sampling_params for 1 prompts"),
+        (lambda: tiny_llm.generate(None), "^prompts must be"), (lambda: tiny_llm.generate(5), "^prompts must be"),
+        (lambda: tiny_llm.generate((1, 2)), "^prompts must be"),
+        (lambda: tiny_llm.generate([[True, 2]], sp), r"^prompts\[0\] must be"),
+        (lambda: tiny_llm.chat([{"content": "hi"}]), r"^messages\[0\] must be a dict with a string 'role'"),
+        (lambda: tiny_llm.chat([{"role": "user", "content": 5}]), r"^messages\[0\]\.content must be"),
+        (lambda: tiny_llm.chat([[{"role": "user"}]]), r"^messages\[0\]\[0\]\.content must be"),
+        (lambda: tiny_llm.chat("hello"), "^messages must be a conversation"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        stats = tiny_llm.engine.stats()
+        assert (stats["num_waiting"], stats["num_running"], stats["num_used_blocks"]) == (0, 0, 0), message
+
+
+def test_prompt_shapes_vllm_takes(tiny_llm):
+    """vLLM's dict prompts and OpenAI's text parts are the same requests as their plain forms; an
+    embedding may fill the whole context (it generates nothing)."""
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    plain = tiny_llm.generate([[5, 6, 7], "hello"], sp, use_tqdm=False)
+    shaped = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "hello"}], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in shaped] == [o.outputs[0].token_ids for o in plain]
+    text = tiny_llm.chat([{"role": "user", "content": "a\nb"}], sp, use_tqdm=False)[0]
+    parts = tiny_llm.chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                          sp, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == text.prompt_token_ids and parts.outputs[0].token_ids == text.outputs[0].token_ids
+    full = tiny_llm.engine.max_model_len
+    assert len(tiny_llm.embed([[5] * full], use_tqdm=False)[0]) > 0
+    with pytest.raises(ValueError, match="prompt has"):
+        tiny_llm.embed([[5] * (full + 1)], use_tqdm=False)
 
 
 def test_max_model_len_beyond_kv_cache_is_refused(tiny_models):
