@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from engine.arg_utils import parse_bytes
 
@@ -13,8 +14,8 @@ def _number(kind: str, ok, convert):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}")
+        if not math.isfinite(value) or not ok(value):  # inf (or 1e400) sized nothing: it overflowed later
+            raise argparse.ArgumentTypeError(f"must be {kind} (finite), got {text!r}")
         return convert(value)
 
     return parse

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, walk_parsers
-from engine.config import canonical_dtype
+from engine.config import BLOCK_SIZES, canonical_dtype
 from engine.planning.activations import ATTENTION_KERNELS, RECOMPUTE
 from engine.planning.argtypes import bandwidth, fraction, positive_bytes, positive_float, positive_int, share
 from engine.planning.flops import FLOPS_METHODS
@@ -194,7 +194,7 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                    default=argparse.SUPPRESS, metavar="GIB", help="deprecated: --kv-cache-memory with a unit")
     add_engine_arg(g, "max_model_len", type=positive_int,
                    help="context window in tokens (default: the model's max positions)")
-    add_engine_arg(g, "block_size", type=positive_int)
+    add_engine_arg(g, "block_size", type=int, choices=BLOCK_SIZES)
     add_engine_arg(g, "max_num_batched_tokens", type=positive_int,
                    help="token budget of one engine step: sizes the forward's workspace")
     add_engine_arg(g, "max_num_seqs", type=positive_int,
@@ -233,6 +233,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
             parser.error(f"argument --model: give --model, or the dimensions ({', '.join(missing)} missing)")
         if args.heads % (args.kv_heads or args.heads):
             parser.error(f"argument --kv-heads: {args.kv_heads} does not divide --heads {args.heads}")
+        if args.head_dim is None and args.hidden % args.heads:  # the head size would be floored in silence
+            parser.error(f"argument --heads: {args.heads} does not divide --hidden {args.hidden}: give --head-dim")
         spec = _or_error(
             parser, "--arch", ModelSpec.from_dims, layers=args.layers, hidden=args.hidden, heads=args.heads,
             vocab=args.vocab, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, head_dim=args.head_dim,
@@ -387,13 +389,27 @@ def run_serve(args: argparse.Namespace) -> int:
     plan = plan_serving(
         spec, dtype_bytes=dtype_bytes(dtype),
         kv_dtype_bytes=dtype_bytes(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
-        max_model_len=args.max_model_len or spec.max_position_embeddings, block_size=args.block_size,
+        max_model_len=serving_len(args, spec), block_size=args.block_size,
         tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
         max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep, ep_layout=ep_layout,
         weight_format=args.weights, dtype_name=dtype,
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
+
+
+def serving_len(args: argparse.Namespace, spec: ModelSpec) -> int:
+    """The context window the engine would serve: --max-model-len (or the model's), refused past the
+    model's positions and cut to a sliding window, as engine/model_runner.py does."""
+    length = args.max_model_len or spec.max_position_embeddings
+    if length > spec.max_position_embeddings:
+        args.parser.error(f"argument --max-model-len: {length} exceeds the model's max_position_embeddings "
+                          f"({spec.max_position_embeddings}), which the engine refuses too")
+    if spec.sliding_window and spec.sliding_window < length:
+        print(f"{args.parser.prog}: note: max_model_len {length} limited to the model's sliding window "
+              f"({spec.sliding_window} tokens), as the engine limits it", file=sys.stderr)
+        length = spec.sliding_window
+    return length
 
 
 def run_search(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ class ModelSpec:
     expert_ffn_size: int = 0  # hidden units of one expert's SwiGLU MLP
     shared_expert_ffn_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others have a dense MLP of ffn_hidden_size
+    # Mistral's sliding window where the config turns it on: the engine attends in full, so it serves
+    # no context longer than the window (engine/model_runner.py), and the serving plan does the same.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -133,7 +136,8 @@ class ModelSpec:
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), activation=cfg.get("hidden_act", "silu"),
-            attention_dropout=cfg.get("attention_dropout", 0.0), **moe,
+            attention_dropout=cfg.get("attention_dropout", 0.0),
+            sliding_window=(cfg.get("sliding_window") or None) if cfg.get("use_sliding_window", True) else None, **moe,
         )
 
     @classmethod

@@ -94,6 +94,19 @@ def test_tables_by_default(command):
     (["serve", "--model", "llama-2-7b"], "--gpu-memory-gib"),
     (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "1.5"],
      "--gpu-memory-utilization"),
+    # A probe of session 24: inf overflowed (tracebacks) or planned nonsense (a 0 s step, "cost":
+    # Infinity, not JSON); an infinite rate was blamed on --ttft-ms; a head size was floored in
+    # silence; limits the engine refuses were planned as fitting.
+    (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "inf"], "--gpu-memory-gib"),
+    (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "1e400"], "--gpu-memory-gib"),
+    ([*TRAIN, "--peak-tflops", "inf"], "--peak-tflops"),
+    ([*TRAIN, "--price-per-gpu-hour", "inf", "--peak-tflops", "989"], "--price-per-gpu-hour"),
+    (["serve", "--slo", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--request-rate", "inf", "--prompt-len", "1024",
+      "--output-len", "256", "--ttft-ms", "500", "--tpot-ms", "40"], "--request-rate"),
+    (["serve", "--hidden", "64", "--heads", "3", "--layers", "2", "--vocab", "100", "--gpu-memory-gib", "1"],
+     "--heads"),
+    (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--max-model-len", "100000"], "--max-model-len"),
+    (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--block-size", "7"], "--block-size"),
     # 13 GPUs for GPT-2 (12 heads, 12 layers) can only be 13 data-parallel replicas
     (["search", "--model", "gpt2", "--gpus-per-node", "13", "--gpu-memory-gib", "80", "--seq-len", "1024",
       "--global-batch", "3", "--tokens", "1e9"], "--global-batch"),
@@ -107,3 +120,18 @@ def test_nonsense_is_an_argparse_error_naming_the_flag(argv, flag):
 def test_importing_planning_does_not_import_torch():
     code = "import sys, engine.planning, engine.planning.cli; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_sliding_window_limits_the_planned_context_as_the_engine_does(tmp_path):
+    """A config whose sliding window is on is served (full attention) no longer than the window:
+    engine/model_runner.py's rule, which the plan used to skip (planned at max_position_embeddings)."""
+    import json
+
+    cfg = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
+           "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = plan_json("serve", "--model", str(tmp_path), "--kv-cache-memory", "1MiB")
+    assert out["max_model_len"] == 64
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": False}))
+    assert plan_json("serve", "--model", str(tmp_path), "--kv-cache-memory", "1MiB")["max_model_len"] == 512
