@@ -284,6 +284,31 @@ def test_chat_template_text_or_file(tiny, tmp_path):
 # ---------------------------------------------------------------- generate
 
 
+@pytest.mark.parametrize("argv, words", [
+    # A probe of session 24: each was a traceback, or (the first) negative TPOTs and exit 1 with no message.
+    (["bench", "latency", "--batch-size", "1", "--input-len", "510", "--output-len", "8", "--num-iters", "1",
+      "--num-iters-warmup", "0", "--max-model-len", "512"], ["--input-len / --output-len", "max_model_len (512)"]),
+    (["bench", "latency", "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--output-json", "."],
+     ["--output-json", "is a directory"]),
+    (["generate", "hi", "--tokenizer", "/no/such/tokenizer"], ["tokenizer path", "does not exist"]),
+    (["generate", "hi", "--tokenizer", "EMPTY"], ["no tokenizer could be loaded", "tokenizer.json"]),
+    (["generate", "hi", "--seed", "99999999999999999999999"], ["seed must be a 64-bit integer"]),
+    (["generate", "hi", "--distributed-timeout-s", "inf"], ["distributed_timeout_s must be a finite number"]),
+])
+def test_bad_flags_are_one_line_and_exit_2(tiny, tmp_path, argv, words, capsys):
+    argv = [str(tmp_path) if a == "EMPTY" else a for a in argv]
+    command = argv[0]
+    try:
+        code = main([*argv, "--model", tiny, "--device", "cpu"])
+    except SystemExit as e:  # the checks before any work exit at once, as argparse does
+        code = e.code
+    assert code == 2
+    err = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("note: "))
+    line = one_line_error(err, command)  # (bench's note on a busy machine aside)
+    for word in words:
+        assert word in line, line
+
+
 def _generate(capsys, tiny, *argv) -> str:
     assert main(["generate", "Hello", "--model", tiny, "--device", "cpu", "--kv-cache-memory", "16MiB",
                  "--max-tokens", "6", "--ignore-eos", *argv]) == 0

@@ -98,3 +98,9 @@ def check_environment(args) -> None:
             check_llamacpp(args, server=False)
     if args.plot:
         require("matplotlib", "--plot")
+    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and os.path.isdir(path):  # found before the run, not by the write after it
+            fail(f"{flag} {path!r} is a directory: give a file path")
+        if folder and not os.path.isdir(folder):
+            fail(f"{flag} {path!r}: the directory {folder!r} does not exist")

@@ -32,6 +32,13 @@ def start_backend(args, requests: list[SampleRequest]):
     t0 = time.perf_counter()
     backend.load()
     t1 = time.perf_counter()
+    limit = getattr(backend, "max_model_len", None)
+    over = [r for r in requests if limit is not None and len(r.prompt_token_ids) + r.output_len > limit]
+    if over:  # the engine would cut their outputs short, and TPOT would be made of the wrong tokens
+        r = over[0]
+        raise ValueError(f"--input-len / --output-len: {len(r.prompt_token_ids)} prompt + {r.output_len} output "
+                         f"tokens do not fit the engine's max_model_len ({limit}): lower them, or raise "
+                         "--max-model-len")
     first = requests[0]
     warm = SampleRequest(prompt_token_ids=first.prompt_token_ids[:16], output_len=4)
     backend.generate([warm], use_tqdm=False)

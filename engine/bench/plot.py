@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 
@@ -22,6 +24,14 @@ def _bars(ax, names, values, title, unit):
         ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
 
 
+def _save(plt, fig, path: str) -> None:
+    """A PNG at `path` (.png added where it has no extension, as matplotlib would), said with its real name."""
+    path = path if os.path.splitext(path)[1] else path + ".png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def plot_throughput(results: list[dict], path: str) -> None:
     plt = _pyplot()
     ok = [r for r in results if "metrics" in r]
@@ -32,9 +42,7 @@ def plot_throughput(results: list[dict], path: str) -> None:
     _bars(axes[2], names, [r["metrics"]["total_tokens_per_s"] for r in ok], "total tokens / s", "tok/s")
     _bars(axes[3], names, [r["startup_s"] for r in ok], "start-up (outside the window)", "s")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"wrote {path}")
+    _save(plt, fig, path)
 
 
 def plot_latency(results: list[dict], path: str, percentiles: list[float]) -> None:
@@ -51,9 +59,7 @@ def plot_latency(results: list[dict], path: str, percentiles: list[float]) -> No
         ax.set_title(f"{metric.upper()} (ms)")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"wrote {path}")
+    _save(plt, fig, path)
 
 
 def plot_serve(runs: dict[str, dict[str, list[float]]], path: str) -> None:
@@ -72,6 +78,4 @@ def plot_serve(runs: dict[str, dict[str, list[float]]], path: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"wrote {path}")
+    _save(plt, fig, path)

@@ -23,6 +23,11 @@ class EngineBackend:
     def tokenizer(self):
         return self.llm.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The context a request's prompt and output must fit in (start_backend checks the requests)."""
+        return self.llm.engine.max_model_len
+
     def generate(self, requests: list[SampleRequest], use_tqdm: bool = True) -> list[list[int]]:
         from engine import SamplingParams
 
