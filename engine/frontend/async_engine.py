@@ -29,6 +29,10 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagewise.async_engine")
 
+# How often an idle engine loop asks a parallel core whether its workers still live (a look at
+# process states: microseconds).
+IDLE_HEALTH_CHECK_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (a failed step or a failed start); no request can be served."""
@@ -299,6 +303,10 @@ class AsyncEngine:
             self._post(lambda e=e: ready.done() or ready.set_exception(e))  # bind e: `except` unbinds it
             return
         self._post(lambda: ready.done() or ready.set_result(None))
+        # A parallel core's worker or replica may die while nothing runs: looked at while idle, so
+        # that its death stops the loop (and the server, for its supervisor to restart) then, not
+        # only when the next request's step fails.
+        watch = getattr(core, "check_health", None)
         try:
             while not self._stop:
                 self._wake.clear()  # cleared before draining, so a command added now re-wakes us
@@ -311,8 +319,8 @@ class AsyncEngine:
                         self._core_stats = core.stats()
                     if outputs:
                         self._post(lambda outs=outputs: self._deliver(outs))
-                else:
-                    self._wake.wait()
+                elif not self._wake.wait(IDLE_HEALTH_CHECK_S if watch is not None else None) and watch is not None:
+                    watch()  # raises WorkerDiedError: the loop dies below, as if a step had failed
             self._apply_commands(core, processor)  # stopping: still free the blocks of the last aborts
         except BaseException as e:
             logger.exception("engine loop died; failing all pending requests")

@@ -51,6 +51,20 @@ def test_concurrent_requests_spread_over_replicas_and_match_one_process(server, 
     assert metric(text, "pagewise:engine_healthy", replica="1") == 1.0
 
 
+def test_a_replica_dying_while_idle_stops_the_server(gqa_model, tmp_path):
+    """No request running when a replica dies: the server still exits, status 1, for its supervisor
+    to restart it (it stayed up answering 503 and 500s until someone stopped it)."""
+    proc = ServerProcess(["--model", gqa_model, *SERVER_ARGS], str(tmp_path / "server.log"))
+    try:
+        replicas = engine_processes(proc.proc.pid)
+        assert len(replicas) == 2 and httpx.get(proc.url + "/health").status_code == 200
+        os.kill(replicas[0], signal.SIGKILL)
+        assert proc.proc.wait(30) == 1
+        assert "data-parallel replica" in proc.log() and "supervisor restarts it" in proc.log()
+    finally:
+        proc.stop()
+
+
 def test_killed_replica_fails_pending_requests_and_health(server):
     """Runs last in this module: it kills the server's engine."""
     everything = engine_processes(server.proc.pid)  # the two replica processes
