@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -119,7 +120,6 @@ def served_tokenizer(args) -> str | None:
 
 def read_models(host: str, api_key: str | None) -> dict:
     """GET /v1/models ({} when it does not answer: the users then ask it themselves)."""
-    import json
     import urllib.request
 
     from engine.bench.backends.openai_http import auth_headers
@@ -158,6 +158,10 @@ def write_requests(args, host: str, tokenizer: str | None) -> tuple[str, str | N
 
 
 def read_stats(prefix: str) -> list[dict]:
+    """The run's statistics: the locustfile's final ones (after the drain), else Locust's last CSV."""
+    if os.path.exists(f"{prefix}_final.json"):
+        with open(f"{prefix}_final.json", encoding="utf-8") as f:
+            return json.load(f)
     with open(f"{prefix}_stats.csv", newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
 
@@ -191,10 +195,13 @@ def run_locust(args, host: str, tokenizer: str | None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     prefix = os.path.join(out_dir, "locust")
     requests_file, model_name = write_requests(args, host, tokenizer)
+    if os.path.exists(f"{prefix}_final.json"):  # an earlier run's, in the same folder: never read as this one's
+        os.remove(f"{prefix}_final.json")
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "--host", host,
            "--users", str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time,
            "--stop-timeout", "30", "--csv", prefix, "--html", os.path.join(out_dir, "report.html"),
-           "--only-summary", "--loglevel", "WARNING", "--seed", str(args.seed), "--requests-file", requests_file]
+           "--only-summary", "--loglevel", "WARNING", "--seed", str(args.seed), "--requests-file", requests_file,
+           "--final-stats", f"{prefix}_final.json"]
     if model_name:
         cmd += ["--model-name", model_name]
     env = python_path_env({"PAGEWISE_API_KEY": args.api_key} if args.api_key else {})  # not on the command line
@@ -213,7 +220,7 @@ def run_locust(args, host: str, tokenizer: str | None) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    if not os.path.exists(f"{prefix}_stats.csv"):
+    if not os.path.exists(f"{prefix}_final.json") and not os.path.exists(f"{prefix}_stats.csv"):
         print(f"locust wrote no statistics (exit code {proc.returncode})", file=sys.stderr)
         return 2
     table, total, fails = summarize(read_stats(prefix))

@@ -54,6 +54,37 @@ def _add_options(parser):
                         help="largest max_tokens asked for (without --requests-file)")
     parser.add_argument("--seed", type=int, env_var="PAGEWISE_LOADTEST_SEED", default=0,
                         help="seed of the prompt mix: the pool of requests, and user i's picks (seed + i)")
+    parser.add_argument("--final-stats", type=str, env_var="PAGEWISE_FINAL_STATS", default="",
+                        help="write the run's final statistics here as JSON, once every user has stopped")
+
+
+_environment = None  # Locust's, kept for the quit event (which is not handed it)
+
+
+@events.init.add_listener
+def _keep_environment(environment, **_):
+    global _environment
+    _environment = environment
+
+
+@events.quit.add_listener
+def _write_final_stats(**_):
+    """--final-stats: one row per entry, as locust_stats.csv has them, taken after the drain of
+    --stop-timeout. The CSV is rewritten every few seconds, so its last version misses the requests
+    that finish during the drain, which report.html and the console count (a probe saw 155 requests
+    there against 174)."""
+    import json
+
+    path = getattr(_environment.parsed_options, "final_stats", "") if _environment is not None else ""
+    if not path or _environment.runner is None:
+        return
+    stats = _environment.runner.stats
+    rows = [{"Type": e.method, "Name": e.name, "Request Count": e.num_requests, "Failure Count": e.num_failures,
+             "Median Response Time": e.median_response_time, "95%": e.get_response_time_percentile(0.95),
+             "99%": e.get_response_time_percentile(0.99), "Requests/s": e.total_rps}
+            for e in [*sorted(stats.entries.values(), key=lambda e: (e.method, e.name)), stats.total]]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
 
 
 class OpenAIUser(HttpUser):

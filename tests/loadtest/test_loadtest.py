@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import os
 import random
 import subprocess
@@ -192,6 +193,10 @@ def test_headless_locust_run_from_another_folder(tiny_model_dir, tmp_path):
     assert sum(int(r["Request Count"]) for r in real) > 0
     assert any(r["Type"] == "TTFT" and int(r["Request Count"]) > 0 for r in rows.values())
     assert "0 failed" in proc.stdout and "max_model_len 128" in proc.stdout
+    # The verdict counts what the server answered: its access log, every request of the run (the
+    # CSV's last write missed those that finished in --stop-timeout's drain).
+    served = len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP/1.1" 200', (out / "server.log").read_text()))
+    assert f"\n{served} requests, 0 failed" in proc.stdout, (served, proc.stdout[-1500:])
     pool = json.loads((out / "requests.json").read_text())
     assert pool["max_model_len"] == 128 and pool["exact_token_counts"]
     assert not (Path(ROOT) / "report").exists()
