@@ -290,6 +290,9 @@ def test_chat_template_text_or_file(tiny, tmp_path):
       "--num-iters-warmup", "0", "--max-model-len", "512"], ["--input-len / --output-len", "max_model_len (512)"]),
     (["bench", "latency", "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--output-json", "."],
      ["--output-json", "is a directory"]),
+    pytest.param(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2", "--random-input-len",
+                  "8", "--random-output-len", "4"], ["warm-up request failed", "--base-url"],  # no server there
+                 marks=pytest.mark.device_auto),  # a client: it takes no --device, and builds no engine
     (["generate", "hi", "--tokenizer", "/no/such/tokenizer"], ["tokenizer path", "does not exist"]),
     (["generate", "hi", "--tokenizer", "EMPTY"], ["no tokenizer could be loaded", "tokenizer.json"]),
     (["generate", "hi", "--seed", "99999999999999999999999"], ["seed must be a 64-bit integer"]),
@@ -299,7 +302,7 @@ def test_bad_flags_are_one_line_and_exit_2(tiny, tmp_path, argv, words, capsys):
     argv = [str(tmp_path) if a == "EMPTY" else a for a in argv]
     command = argv[0]
     try:
-        code = main([*argv, "--model", tiny, "--device", "cpu"])
+        code = main([*argv, "--model", tiny, *([] if argv[:2] == ["bench", "serve"] else ["--device", "cpu"])])
     except SystemExit as e:  # the checks before any work exit at once, as argparse does
         code = e.code
     assert code == 2

@@ -71,8 +71,9 @@ async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, mod
         for i in range(args.num_warmups):
             w = await stream_request(client, url, payload(requests[i % len(requests)], 4), headers,
                                      args.endpoint, requests[0].prompt_len, tokenizer)
-            if not w.success:
-                raise RuntimeError(f"warm-up request failed, check the server and the arguments: {w.error}")
+            if not w.success:  # the server or the arguments: the user's to fix (one line, exit 2)
+                raise ValueError(f"{url}: the warm-up request failed ({w.error}): check that the server runs "
+                                 "there (--base-url) and takes these arguments")
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="bench serve", disable=args.disable_tqdm)
