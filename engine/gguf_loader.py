@@ -10,6 +10,7 @@ which layers keep their weights quantized (engine/loader.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -84,6 +85,24 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in pagewise")
 
 
+@functools.cache
+def _dequantizable(kind) -> bool:
+    """Whether gguf.quants dequantizes this type (one zero block, tried once)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[kind][1], dtype=np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _undequantizable(t) -> ValueError:
+    return ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot dequantize "
+                      f"here; supported: {', '.join(FORMATS)} as stored, other types that gguf.quants dequantizes "
+                      "as float")
+
+
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation.
 
@@ -103,7 +122,11 @@ class GGUFModel:
     reader: GGUFHeader | GGUFReader = field(repr=False)
 
     def types(self) -> dict[str, tuple[str, str]]:
-        """HF name -> (GGUF tensor name, GGUF type name), e.g. ("blk.0.attn_q.weight", "Q4_1")."""
+        """HF name -> (GGUF tensor name, GGUF type name), e.g. ("blk.0.attn_q.weight", "Q4_1"). A type
+        neither kept as stored nor dequantizable is refused here, before any plan for it is logged."""
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in FORMATS and not _dequantizable(t.tensor_type):
+                raise _undequantizable(t)
         return {_hf_name(t.name): (t.name, t.tensor_type.name) for t in self.reader.tensors}
 
     def tensors(self, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
@@ -121,9 +144,7 @@ class GGUFModel:
                 try:
                     w = dequantize(t.data, t.tensor_type)
                 except NotImplementedError:
-                    raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot "
-                                     f"dequantize here; supported: {', '.join(FORMATS)} as stored, other types "
-                                     "that gguf.quants dequantizes as float") from None
+                    raise _undequantizable(t) from None
             # Only llama.cpp's LlamaModel converter (Llama, Mistral, Mixtral) permutes; qwen2/qwen3 keep HF order.
             # The permutation moves whole rows, so it applies to a row of blocks as to a row of floats.
             if cfg.model_type in ("llama", "mixtral"):

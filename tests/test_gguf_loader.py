@@ -61,8 +61,9 @@ def _tiny_model(arch: str):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _write_gguf(path, model, arch: str) -> None:
-    """Write `model` as llama.cpp's converter would, F32 tensors, no tokenizer."""
+def _write_gguf(path, model, arch: str, raw: dict | None = None) -> None:
+    """Write `model` as llama.cpp's converter would, F32 tensors, no tokenizer; `raw`: GGUF tensor
+    name -> a quantized type whose zero bytes stand in for that tensor."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -86,7 +87,13 @@ def _write_gguf(path, model, arch: str) -> None:
             data = _permute(data, c.num_attention_heads, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             data = _permute(data, c.num_attention_heads, c.num_key_value_heads)
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        name = f"{names.get_name(base)}.{suffix}"
+        if raw and name in raw:
+            block_weights, block_bytes = gguf.GGML_QUANT_SIZES[raw[name]]
+            zeros = np.zeros((data.shape[0], data.shape[1] // block_weights * block_bytes), dtype=np.uint8)
+            w.add_tensor(name, zeros, raw_dtype=raw[name])
+            continue
+        w.add_tensor(name, np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -119,6 +126,21 @@ def test_synthetic_gguf_round_trips_exactly(tmp_path, arch):
     assert _rope_theta(got) == _rope_theta(want)
     assert got.dtype == torch.float32  # every matrix F32: dtype "auto" keeps float32 (resolve_dtype)
     assert loaded.tokenizer is None
+
+
+def test_a_type_nothing_reads_is_refused_before_any_plan_is_logged(tmp_path, caplog):
+    """Q8_1 (an activation format gguf.quants cannot dequantize) names the tensor and its type when
+    the types are first read; the load warned first that it would dequantize it, then failed."""
+    path = tmp_path / "q8_1.gguf"
+    _write_gguf(path, _tiny_model("llama"), "llama", raw={"blk.1.ffn_down.weight": gguf.GGMLQuantizationType.Q8_1})
+    with pytest.raises(ValueError, match=r"^GGUF tensor blk\.1\.ffn_down\.weight is Q8_1, which the gguf package "
+                                         "cannot dequantize"):
+        load_gguf(path).types()
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="blk.1.ffn_down.weight is Q8_1"):
+        LLM(str(path), device="cpu")
+    assert "dequantized to float" not in caplog.text
 
 
 def test_stored_dtype_of_the_default_file_and_its_folder():
