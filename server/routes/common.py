@@ -88,9 +88,9 @@ def error_event_body(error: BaseException) -> dict:
     """The payload of an SSE error event, for a failure after the stream has started."""
     if isinstance(error, RequestInvalidError):
         return error_body(400, str(error), _field(error), UNSATISFIABLE)
-    if isinstance(error, EngineDeadError):
-        message = "internal server error: the engine stopped"
-    elif isinstance(error, RequestFailedError):
+    if isinstance(error, EngineDeadError):  # the code a whole response gets for it too
+        return error_body(500, "internal server error: the engine stopped", code="engine_dead")
+    if isinstance(error, RequestFailedError):
         message = "internal server error while processing this request; other requests are unaffected"
     else:
         message = "internal server error"
