@@ -25,7 +25,7 @@ from engine.planning.presets import PRESETS
 from engine.planning.report import search_table, serve_table, train_table
 from engine.planning.search import search_plans
 from engine.planning.slo_cli import add_slo_flags, run_slo
-from engine.planning.serving import plan_serving
+from engine.planning.serving import cpu_head_copy, plan_serving
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY, DEFAULT_DP_OVERLAP, Throughput
 from engine.planning.training import plan_training
@@ -394,8 +394,20 @@ def run_serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
         max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep, ep_layout=ep_layout,
         weight_format=args.weights, dtype_name=dtype,
+        head_copy=args.gpu == "cpu" and cpu_head_copy(
+            spec, dtype, args.weight_format is not None or (args.weights is not None and args.weights.lm_head),
+            _cpu_has_amx()),
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
+
+
+def _cpu_has_amx() -> bool:
+    """This machine's CPU flags (Linux; elsewhere: none), without importing torch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def serving_len(args: argparse.Namespace, spec: ModelSpec) -> int:

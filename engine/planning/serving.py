@@ -97,6 +97,20 @@ class ServePlan:
     ep_size: int = 1  # GPUs the experts are spread over whole (1: none)
 
 
+def cpu_head_copy(spec: ModelSpec, dtype: str, head_in_blocks: bool, amx: bool) -> bool:
+    """Whether the cpu backend holds a tied LM head twice (the embedding's matrix and oneDNN's packed
+    copy of it): a float head (`head_in_blocks`: quantized, or a GGUF file's blocks, is not) in float32
+    or bfloat16 (oneDNN packs no float16), unless the checkpoint's bfloat16 matrices are kept as stored,
+    which holds them once (engine/weights.py keeps_bf16: in a float32 model, or a bfloat16 one on a CPU
+    without AMX)."""
+    if not spec.tie_word_embeddings or head_in_blocks:
+        return False
+    stored_bf16 = spec.checkpoint_dtype in ("bfloat16", "bf16")
+    if dtype == "float32":
+        return not stored_bf16
+    return dtype == "bfloat16" and (not stored_bf16 or amx)
+
+
 def plan_serving(
     spec: ModelSpec,
     *,
@@ -115,11 +129,14 @@ def plan_serving(
     ep_layout: str = "engine",
     weight_format: WeightFormat | None = None,
     dtype_name: str = "",
+    head_copy: bool = False,
 ) -> ServePlan:
     """Memory of one serving replica per GPU. `kv_cache_memory_bytes` is a fixed KV budget (the
     engine's CPU setting) that replaces the one derived from the GPU's memory. `ep` > 1 spreads the experts
     whole over ep GPUs, as `ep_layout` ("engine": ep = tp; "vllm": ep = DP x TP) does; `weight_format` holds
-    the linear layers in that format (weight_formats.py), None at `dtype_bytes`."""
+    the linear layers in that format (weight_formats.py), None at `dtype_bytes`. `head_copy`: the cpu
+    backend's oneDNN copy of a tied float LM head, held on top of the embedding matrix both read
+    (engine/layers/linear.py pack_weights; cpu_head_copy says when), on the head's GPU."""
     if ep_layout not in EP_LAYOUTS[1:]:
         raise ValueError(f"ep_layout must be one of {EP_LAYOUTS[1:]}, got {ep_layout!r}")
     if ep_layout == "engine" and ep not in (1, tp):
@@ -127,6 +144,8 @@ def plan_serving(
                          f"1 or {tp}, got {ep}")
     layout = "tp" if ep == 1 else ep_layout
     weights = weight_bytes_per_gpu(spec, dtype_bytes, weight_format, tp, pp, expert_shards(tp, ep))
+    if head_copy:
+        weights += -(-spec.vocab_size // tp) * spec.hidden_size * dtype_bytes
     workspace = forward_workspace_bytes(spec, dtype_bytes, max_batched_tokens, max_seqs, tp, ep)
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes

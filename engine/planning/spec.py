@@ -74,6 +74,7 @@ class ModelSpec:
     # Mistral's sliding window where the config turns it on: the engine attends in full, so it serves
     # no context longer than the window (engine/model_runner.py), and the serving plan does the same.
     sliding_window: int | None = None
+    checkpoint_dtype: str = ""  # the dtype config.json says the weights are stored in ("" where it says none)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
@@ -137,7 +138,8 @@ class ModelSpec:
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), activation=cfg.get("hidden_act", "silu"),
             attention_dropout=cfg.get("attention_dropout", 0.0),
-            sliding_window=(cfg.get("sliding_window") or None) if cfg.get("use_sliding_window", True) else None, **moe,
+            sliding_window=(cfg.get("sliding_window") or None) if cfg.get("use_sliding_window", True) else None,
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), **moe,
         )
 
     @classmethod

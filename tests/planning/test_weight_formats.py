@@ -146,6 +146,23 @@ def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, requ
         assert without["weights_per_gpu"] - out["weights_per_gpu"] == 4 * vocab - FORMATS[head_as].bytes(vocab)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_plan_on_a_cpu_counts_the_packed_copy_of_a_tied_float_head(capsys, request, method, tied):
+    """On the cpu backend a tied float LM head is held twice, the embedding's matrix and oneDNN's
+    packed copy (engine/layers/linear.py pack_weights): the plan for `--gpu cpu` equals the engine's
+    resident bytes, copies included (it fell short by one vocabulary matrix, 15-37%, for tied models)."""
+    from engine import LLM
+    from engine.layers.linear import resident_bytes
+
+    folder = request.getfixturevalue("tiny_tied" if tied else "tiny")
+    quant = ["--quantization", method] if method else []
+    out = serve_json(capsys, "--model", folder, "--dtype", "float32", *quant, "--gpu", "cpu",
+                     "--kv-cache-memory", "4MiB")
+    with LLM(folder, device="cpu", dtype="float32", quantization=method, kv_cache_memory="4MiB") as llm:
+        assert resident_bytes(llm.engine.runner.model) == out["weights_per_gpu"]
+
+
 def test_quantized_llama_2_7b_weights_and_their_decode_step():
     """int4: 6.48B linear weights at 5 bits, the 262M-weight embedding and LM head and the norms at bf16; the
     roofline's batch-1 decode step reads those bytes (plus the KV cache) from HBM."""
