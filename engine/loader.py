@@ -125,7 +125,7 @@ def _check_gguf_quantization(path: str, quantization: str | None, types: dict[st
     kinds = sorted({kind for _, kind in types.values() if kind not in FLOAT_TYPES})
     if kinds:
         raise ValueError(f"--quantization {quantization}: {path} is already quantized (GGUF {', '.join(kinds)} "
-                         "tensors), and its blocks are served as stored (--gguf-weights native): drop --quantization")
+                         "tensors), and quantizing it again would only lose more: drop --quantization")
 
 
 def _check_folder_quantization(path: str, quantization: str | None, config_json: dict):
