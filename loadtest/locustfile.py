@@ -20,6 +20,7 @@ Custom options (command line or environment):
     --max-prompt-tokens / PAGEWISE_MAX_PROMPT_TOKENS   longest prompt in tokens (default 800)
     --max-output-tokens / PAGEWISE_MAX_OUTPUT_TOKENS   largest max_tokens (default 128)
     --seed / PAGEWISE_LOADTEST_SEED         seed of the prompt mix (default 0)
+    --final-stats / PAGEWISE_FINAL_STATS    the run's statistics as JSON, written once every user has stopped
 """
 
 from __future__ import annotations
