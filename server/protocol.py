@@ -390,21 +390,21 @@ class TokenizeRequest(_ChatTemplateFields):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, validate_default=True)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     return_token_strs: bool = False
 
     @field_validator("messages")
     @classmethod
-    def _some_messages(cls, v):
+    def _prompt_or_messages(cls, v, info):
         if v is not None and not v:
             raise ValueError("must not be empty")
+        if "prompt" in info.data and (info.data["prompt"] is None) == (v is None):  # (a bad prompt says so itself)
+            raise ValueError("give exactly one of prompt and messages")
         return v
 
     @model_validator(mode="after")
-    def _prompt_or_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+    def _template_options_need_messages(self):
         template = sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields))
         if self.prompt is not None and template:
             raise ValueError(f"{template[0]} applies to messages (the chat template), not to a prompt: remove it")
