@@ -25,7 +25,7 @@ from engine.planning.presets import PRESETS
 from engine.planning.report import search_table, serve_table, train_table
 from engine.planning.search import search_plans
 from engine.planning.slo_cli import add_slo_flags, run_slo
-from engine.planning.serving import cpu_head_copy, plan_serving
+from engine.planning.serving import cpu_head_copy, plan_serving, served_len
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY, DEFAULT_DP_OVERLAP, Throughput
 from engine.planning.training import plan_training
@@ -385,43 +385,26 @@ def run_serve(args: argparse.Namespace) -> int:
         _plan_error(args.parser, e)
     if args.kv_cache_memory is None and args.gpu_memory_gib is None:
         args.parser.error("argument --gpu-memory-gib: give the GPU's memory, or a fixed --kv-cache-memory")
+    try:
+        max_model_len, windowed = served_len(spec, args.max_model_len)
+    except PlanError as e:
+        _plan_error(args.parser, e)
+    if windowed:
+        print(f"{args.parser.prog}: note: max_model_len limited to the model's sliding window ({max_model_len} "
+              "tokens), as the engine limits it", file=sys.stderr)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     plan = plan_serving(
         spec, dtype_bytes=dtype_bytes(dtype),
         kv_dtype_bytes=dtype_bytes(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
-        max_model_len=serving_len(args, spec), block_size=args.block_size,
+        max_model_len=max_model_len, block_size=args.block_size,
         tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
         max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep, ep_layout=ep_layout,
         weight_format=args.weights, dtype_name=dtype,
         head_copy=args.gpu == "cpu" and cpu_head_copy(
-            spec, dtype, args.weight_format is not None or (args.weights is not None and args.weights.lm_head),
-            _cpu_has_amx()),
+            spec, dtype, args.weight_format is not None or (args.weights is not None and args.weights.lm_head)),
     )
     return emit(args, {"model": spec.name, **asdict(plan)}, serve_table(spec, plan, args.block_size))
-
-
-def _cpu_has_amx() -> bool:
-    """This machine's CPU flags (Linux; elsewhere: none), without importing torch."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
-def serving_len(args: argparse.Namespace, spec: ModelSpec) -> int:
-    """The context window the engine would serve: --max-model-len (or the model's), refused past the
-    model's positions and cut to a sliding window, as engine/model_runner.py does."""
-    length = args.max_model_len or spec.max_position_embeddings
-    if length > spec.max_position_embeddings:
-        args.parser.error(f"argument --max-model-len: {length} exceeds the model's max_position_embeddings "
-                          f"({spec.max_position_embeddings}), which the engine refuses too")
-    if spec.sliding_window and spec.sliding_window < length:
-        print(f"{args.parser.prog}: note: max_model_len {length} limited to the model's sliding window "
-              f"({spec.sliding_window} tokens), as the engine limits it", file=sys.stderr)
-        length = spec.sliding_window
-    return length
 
 
 def run_search(args: argparse.Namespace) -> int:

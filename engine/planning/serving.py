@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.planning.comm import moe_all_to_all_bytes
+from engine.planning.layout import PlanError
 from engine.planning.spec import ModelSpec
 from engine.planning.weight_formats import WeightFormat, weight_bytes_per_gpu
 
@@ -97,7 +98,20 @@ class ServePlan:
     ep_size: int = 1  # GPUs the experts are spread over whole (1: none)
 
 
-def cpu_head_copy(spec: ModelSpec, dtype: str, head_in_blocks: bool, amx: bool) -> bool:
+def served_len(spec: ModelSpec, requested: int | None) -> tuple[int, bool]:
+    """(the context window the engine serves, whether a sliding window cut it): `requested` (or the
+    model's positions), refused past the positions and cut to the window, as engine/model_runner.py
+    does (its attention is always full)."""
+    length = requested or spec.max_position_embeddings
+    if length > spec.max_position_embeddings:
+        raise PlanError("max_model_len", f"{length} exceeds the model's max_position_embeddings "
+                                         f"({spec.max_position_embeddings}), which the engine refuses too")
+    if spec.sliding_window and spec.sliding_window < length:
+        return spec.sliding_window, True
+    return length, False
+
+
+def cpu_head_copy(spec: ModelSpec, dtype: str, head_in_blocks: bool) -> bool:
     """Whether the cpu backend holds a tied LM head twice (the embedding's matrix and oneDNN's packed
     copy of it): a float head (`head_in_blocks`: quantized, or a GGUF file's blocks, is not) in float32
     or bfloat16 (oneDNN packs no float16), unless the checkpoint's bfloat16 matrices are kept as stored,
@@ -108,7 +122,16 @@ def cpu_head_copy(spec: ModelSpec, dtype: str, head_in_blocks: bool, amx: bool) 
     stored_bf16 = spec.checkpoint_dtype in ("bfloat16", "bf16")
     if dtype == "float32":
         return not stored_bf16
-    return dtype == "bfloat16" and (not stored_bf16 or amx)
+    return dtype == "bfloat16" and (not stored_bf16 or _cpu_has_amx())
+
+
+def _cpu_has_amx() -> bool:
+    """This machine's CPU flags (Linux; elsewhere: none), without importing torch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def plan_serving(
