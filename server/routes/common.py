@@ -49,9 +49,7 @@ def sampling_errors(renames: dict[str, str] | None = None):
     try:
         yield
     except ValueError as e:
-        message = str(e)
-        m = _FIELD.match(message)
-        param = m.group(1) if m else None
+        message, param = str(e), _field(e)
         if param and renames and param in renames:
             message = renames[param] + message[len(param):]
             param = renames[param]
@@ -75,11 +73,11 @@ def engine_errors():
     except RequestInvalidError as e:  # its parameters left no token to sample partway through
         raise bad_request(str(e), param=_field(e), code=UNSATISFIABLE) from None
     except ValueError as e:  # EngineCore.add_request rejected the prompt
-        m = _FIELD.match(str(e))
-        raise bad_request(str(e), param="prompt" if m and m.group(1).startswith("prompt") else None) from None
+        raise bad_request(str(e), param="prompt" if (_field(e) or "").startswith("prompt") else None) from None
 
 
 def _field(error: BaseException) -> str | None:
+    """The field an error's message starts with (our ValueErrors name theirs first), or None."""
     m = _FIELD.match(str(error))
     return m.group(1) if m else None
 
