@@ -66,11 +66,28 @@ def format_loc(loc) -> str:
     return out
 
 
+# pydantic's type errors in JSON's words (its own name a model class, e.g. "instance of Tool").
+JSON_TYPES = {"model_type": "a JSON object", "dict_type": "a JSON object", "model_attributes_type": "a JSON object",
+              "string_type": "a string", "list_type": "an array", "int_type": "an integer",
+              "int_from_float": "an integer", "float_type": "a number", "bool_type": "true or false",
+              "none_required": "null"}
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """A union (e.g. content: str | list[parts]) reports one error per member: our own ValueErrors
+    say most; then an error about the value (a range, a length) beats one about its type, which
+    only says the value took another member's form; of type errors, the deepest is inside the
+    member whose form the value has."""
+    for wanted in (lambda e: e.get("type") == "value_error", lambda e: e.get("type") not in JSON_TYPES):
+        found = next((e for e in errors if wanted(e)), None)
+        if found is not None:
+            return found
+    return max(errors, key=lambda e: len(e.get("loc", ())))
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """The most telling pydantic error, rewritten to name the field and say what to change."""
-    # A union (e.g. content: str | list[parts]) reports one error per member; our own
-    # ValueErrors say more than "Input should be a valid string", so they win.
-    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    err = _most_telling(errors)
     if err.get("type") == "json_invalid":
         why = err.get("ctx", {}).get("error", err["msg"])
         if "recursion limit" in why:  # valid JSON, past the parser's depth
@@ -91,6 +108,8 @@ def validation_error(errors: list[dict]) -> APIError:
         return bad_request(f"{param} must not be empty", param=param)
     if err.get("type") == "model_type" and not param:
         return bad_request("request body must be a JSON object", code="invalid_json")
+    if err.get("type") in JSON_TYPES:
+        msg = f"must be {JSON_TYPES[err['type']]}"
     msg = msg.removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema,
+                      field_validator, model_validator)
 
 from engine.frontend import chat_template
-from engine.sampling_params import GRAMMAR_KINDS, SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams
+from engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MIN_REPETITION_PENALTY,
+                                    SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams)
 
 
 def _integral_float(v: Any) -> Any:
@@ -27,6 +29,27 @@ def _integral_float(v: Any) -> Any:
 
 # An integer field: strict (no "5", no true), except that an integral float counts.
 Int = Annotated[int, BeforeValidator(_integral_float)]
+TokenId = Annotated[Int, Field(ge=0)]
+# logit_bias keys: ASCII digits only (str.isdecimal would take "²" and "①", which int() refuses).
+LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "additionalProperties": False, "patternProperties": {
+    r"^\s*[0-9]+\s*$": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}},
+    {"type": "null"}]}
+
+
+def _json_kind(v: Any) -> str | None:
+    """The tag of a value's JSON type, for unions of a string form and an object form (the tags are
+    errors.UNION_TAGS, which error paths leave out)."""
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, (dict, BaseModel)):
+        return "dict"
+    return None
+
+
+def _str_or_object(text: Any, obj: Any, message: str) -> Any:
+    """A field that is one of a few strings or an object: one error naming the field for any other type."""
+    return Annotated[Annotated[text, Tag("str")] | Annotated[obj, Tag("dict")],
+                     Discriminator(_json_kind, custom_error_type="invalid_type", custom_error_message=message)]
 
 
 class _Request(BaseModel):
@@ -44,6 +67,15 @@ def _unsupported(what: str, value: Any, noop: tuple = (None,)) -> Any:
     raise ValueError(f"{what} is not supported yet")
 
 
+# The JSON schema of a completions `prompt` / embeddings `input` (checked by _prompt_shape).
+PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                           {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                           {"type": "array", "minItems": 1,
+                            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}]}
+PromptField = Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+
+
 def _prompt_shape(v):
     """A completions `prompt` or an embeddings `input`: one clear message for every wrong shape."""
     def is_ids(x):
@@ -56,51 +88,92 @@ def _prompt_shape(v):
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+class JSONSchemaFormat(_Request):
+    """response_format's json_schema: the schema the output follows (`strict`: no extra properties)."""
+
+    model_config = ConfigDict(populate_by_name=False)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # OpenAI's key is `schema`
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then: {'type': 'json_schema', "
+                             "'json_schema': {'name': ..., 'schema': {...}}}")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: one constraint (engine.sampling_params.GRAMMAR_KINDS)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema, or its JSON text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+
+    def constraints(self) -> list[tuple[str, Any]]:
+        """(kind, value) of each constraint set (None and false set none)."""
+        values = {"json": self.json_, "json_object": self.json_object or None, "regex": self.regex,
+                  "choice": self.choice, "grammar": self.grammar}
+        return [(kind, v) for kind, v in values.items() if v is not None]
+
+
+def _logit_bias_keys(v: Any) -> Any:
+    """Keys must read as token ids; each bias's range is checked with the dict, the vocabulary by
+    the engine's limits."""
+    if isinstance(v, dict):
+        bad = [k for k in v if not (isinstance(k, str) and k.strip().isascii() and k.strip().isdigit())]
+        if bad:
+            raise ValueError(f"keys are token ids written as decimal strings of the digits 0-9 (e.g. \"50256\"), "
+                             f"got {bad[0][:40]!r}")
+    return v
+
+
 class _SamplingRequest(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions, plus the engine's extras."""
+    """Fields shared by /v1/completions and /v1/chat/completions, plus the engine's extras. The
+    ranges are SamplingParams' (which checks them for the engine's own callers too)."""
 
     model: str | None = None  # optional: this server serves one model
-    temperature: float | None = None
-    top_p: float | None = None
-    n: Int = 1
+    temperature: Annotated[float | None, Field(ge=0, le=2)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
+    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     seed: Annotated[Int | None, Field(ge=SEED_MIN, le=SEED_MAX)] = None
     user: str | None = None  # an end-user id for abuse tracking; recorded nowhere, changes nothing
-    logit_bias: dict[str, float] | None = None  # OpenAI: token ids as JSON keys (strings)
+    # OpenAI: token ids as JSON keys (strings), each bias in [-100, 100]
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
+                          BeforeValidator(_logit_bias_keys), WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     # Engine extras (vLLM names).
-    top_k: Int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Int = 0
+    top_k: Annotated[Int | None, Field(ge=-1)] = None
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    repetition_penalty: Annotated[float | None, Field(ge=MIN_REPETITION_PENALTY, le=10)] = None
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Int] | None = None
-    allowed_token_ids: list[Int] | None = None
-    bad_words: list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId] | None, Field(min_length=1)] = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None,
+                         Field(max_length=MAX_BAD_WORDS)] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias_token_ids(cls, v):
-        """Keys must read as token ids; the range of each bias and the vocabulary are checked by
-        SamplingParams and the engine's limits, like every other field."""
-        if v is None:
-            return v
-        bad = [k for k in v if not k.strip().isdigit()]
-        if bad:
-            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad[0]!r}")
-        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -121,25 +194,14 @@ class _SamplingRequest(_Request):
         """(field, constraint) from whichever of the structured-output fields is set; at most one."""
         found = []
         rf = self.response_format
-        if rf is not None:
-            kind = rf.get("type")
-            if kind == "json_object":
-                found.append(("response_format", GrammarSpec.of("json_object", None, field="response_format")))
-            elif kind == "json_schema":
-                js = rf.get("json_schema")
-                if not (isinstance(js, dict) and isinstance(js.get("schema"), dict)):
-                    raise ValueError("response_format: json_schema needs {'json_schema': {'name': ..., 'schema': "
-                                     "{...}}}")
-                strict = js.get("strict") is not False
-                found.append(("response_format", GrammarSpec.of("json", js["schema"], strict, field="response_format")))
-            elif kind != "text":
-                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-        for key, value in (self.structured_outputs or {}).items():
-            if value is None or value is False:
-                continue
-            if key not in GRAMMAR_KINDS:
-                raise ValueError(f"structured_outputs: unknown key {key!r}; use one of {', '.join(GRAMMAR_KINDS)}")
-            found.append(("structured_outputs", GrammarSpec.of(key, value)))
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", GrammarSpec.of("json_object", None, field="response_format")))
+        elif rf is not None and rf.type == "json_schema":
+            js = rf.json_schema
+            found.append(("response_format", GrammarSpec.of("json", js.json_schema, js.strict is not False,
+                                                            field="response_format")))
+        for kind, value in (self.structured_outputs.constraints() if self.structured_outputs else []):
+            found.append(("structured_outputs", GrammarSpec.of(kind, value)))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
@@ -172,7 +234,7 @@ class _SamplingRequest(_Request):
 
 # --------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingRequest):
-    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
+    prompt: PromptField  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
     max_tokens: Int | None = 16  # OpenAI's default; null means "up to the context window"
     logprobs: Int | None = None
     echo: bool = False
@@ -207,7 +269,11 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # developer: 
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # the type check below gives the message
+    # extra allowed, and the type any string, so that the check below gives the message; the
+    # document says what is served.
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=lambda schema, _: schema.update(
+        properties={"type": {"const": "text"}, "text": {"type": "string"}}, required=["type", "text"],
+        additionalProperties=False))
     type: str
     text: str | None = None
 
@@ -236,7 +302,7 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Annotated[str, WithJsonSchema({"enum": list(CHAT_ROLES)})]
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls, as the API returned them
     tool_call_id: str | None = None  # a tool turn: the call it answers
     # None only for an assistant turn that made tool calls (checked after the fields above).
@@ -335,6 +401,38 @@ class _ChatTemplateFields(_Request):
                     template_kwargs=self.chat_template_kwargs or {})
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked where its grammar is compiled)
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """One function the model may call (OpenAI's `tools` entry)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice naming the one function to call."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+    def __repr__(self) -> str:  # as the client wrote it, in messages that quote it
+        return repr(self.model_dump())
+
+
+ToolChoice = _str_or_object(Literal["none", "auto", "required"], NamedToolChoice,
+                            "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+
+
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None  # None: up to the context window
@@ -342,8 +440,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Annotated[Int | None, Field(ge=0)] = None  # at most the engine's max_logprobs
     # Tool calling (server/tool_calls.py checks them against the server's flags).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's deprecated forms of the same: accepted only at their no-op values.
     functions: list[Any] | None = None
@@ -421,7 +519,7 @@ class DetokenizeRequest(_Request):
 
 class EmbeddingRequest(_Request):
     model: str | None = None
-    input: Any  # str | list[str] | list[int] | list[list[int]], as a completions prompt
+    input: PromptField  # str | list[str] | list[int] | list[list[int]], as a completions prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = None
     user: str | None = None

@@ -55,24 +55,21 @@ class Plan:
 
 
 def _functions(tools: list) -> dict[str, dict]:
-    """name -> parameters schema; raises ValueError naming `tools`."""
+    """name -> parameters schema of protocol.Tool entries; raises ValueError naming `tools`."""
     out = {}
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and fn["name"]):
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                             "{...}}}")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
-        out[fn["name"]] = params
+        fn = tool.function
+        if fn.name in out:
+            raise ValueError(f"tools[{i}].function.name: {fn.name!r} names an earlier function too: give each "
+                             "function its own name")
+        out[fn.name] = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
     return out
 
 
 def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolConfig) -> Plan:
-    """What this request's tools and tool_choice ask for; ValueError (naming the field) if they
-    cannot be served."""
+    """What a request's tools (protocol.Tool list) and tool_choice ("none", "auto", "required" or a
+    protocol.NamedToolChoice; shapes checked at the edge) ask for; ValueError (naming the field) if
+    they cannot be served."""
     functions = _functions(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
@@ -80,11 +77,11 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
         return Plan("none")
     if not functions:
         raise ValueError("tool_choice needs tools: give the functions the model may call")
-    if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+    if not isinstance(tool_choice, str):
+        name = tool_choice.function.name
         if name not in functions:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools "
-                             f"({', '.join(functions)})")
+            raise ValueError(f"tool_choice names function {name[:100]!r}, which is not in tools "
+                             f"({', '.join(functions)[:400]})")
         return Plan("named", GrammarSpec.of("json", functions[name], field="tools"), name)
     if tool_choice == "required":
         calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
@@ -100,7 +97,7 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
                              "--tool-call-parser (or use 'required' or a named function)")
         return Plan("auto")
     raise ValueError(f"tool_choice must be none, auto, required or {{'type': 'function', 'function': "
-                     f"{{'name': ...}}}}, got {tool_choice!r}")
+                     f"{{'name': ...}}}}, got {str(tool_choice)[:100]!r}")
 
 
 def calls_from_text(p: Plan, text: str, parser: str | None) -> tuple[str | None, list[ToolCall]]:

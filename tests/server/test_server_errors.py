@@ -4,6 +4,7 @@ names the field; the server answers normally afterwards."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -16,6 +17,10 @@ from tests.server.server_harness import API_KEY, MAX_BODY_BYTES, get_metrics, me
 KEY = {"Authorization": f"Bearer {API_KEY}"}
 KEYJ = {**KEY, "Content-Type": "application/json"}  # for raw `content=` bodies
 MSG = [{"role": "user", "content": "hi"}]
+# What a Python exception's text, or pydantic's names for our classes, look like in a message.
+PYTHON_TEXT = re.compile(r"Traceback|invalid literal|has no attribute|object is not|NoneType|instance of|[a-z]Error\b|"
+                         r"\bdict\b|\bstr\b|\bint\b")
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 
 def chat(**fields):
@@ -83,7 +88,8 @@ CASES = [
     ("image-part", "/v1/chat/completions",
      {"json": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}, 400,
      "messages[0].content[0]", KEY),
-    ("tools-malformed", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {}}]), 400, "tools",
+    ("tools-malformed", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {}}]), 400,
+     "tools[0].function.name",
      KEY),
     ("tool-choice-without-tools", "/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice", KEY),
     ("tool-choice-unknown-function", "/v1/chat/completions",
@@ -109,9 +115,10 @@ CASES = [
      "messages[1].tool_calls[0].function", KEY),
     ("functions-deprecated", "/v1/chat/completions", chat(functions=[{"name": "f"}]), 400, "functions", KEY),
     ("response-format-unknown-type", "/v1/chat/completions", chat(response_format={"type": "xml"}), 400,
-     "response_format", KEY),
+     "response_format.type", KEY),
     ("response-format-schema-missing", "/v1/chat/completions",
-     chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format", KEY),
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format.json_schema.schema", KEY),
     ("response-format-bad-schema", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      400, "response_format", KEY),
@@ -138,7 +145,7 @@ CASES = [
     ("structured-outputs-bad-regex", "/v1/completions", comp(structured_outputs={"regex": "([a-"}), 400,
      "structured_outputs", KEY),
     ("structured-outputs-unknown-key", "/v1/completions", comp(structured_outputs={"xml": "x"}), 400,
-     "structured_outputs", KEY),
+     "structured_outputs.xml", KEY),
     ("guided-choice-empty", "/v1/completions", comp(guided_choice=[]), 400, "guided_choice", KEY),
     ("two-constraints", "/v1/chat/completions",
      chat(response_format={"type": "json_object"}, guided_regex="a+"), 400, "guided_regex", KEY),
@@ -175,6 +182,54 @@ CASES = [
     ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 10**6]}}, 400, "tokens", KEY),
     ("detokenize-negative", "/detokenize", {"json": {"tokens": [-1]}}, 400, "tokens", KEY),
     ("wrong-method", "/v1/completions", {"method": "GET"}, 405, None, KEY),
+    # Decimal digits that are not ASCII: str.isdecimal takes them, int() did not (a 400 naming "invalid").
+    ("logit-bias-key-superscript", "/v1/completions", comp(logit_bias={"\u00b2": 1}), 400, "logit_bias", KEY),
+    ("logit-bias-key-circled", "/v1/chat/completions", chat(logit_bias={"\u2460": 1}), 400, "logit_bias", KEY),
+    *[(f"shape-{name}", "/v1/chat/completions", chat(**fields), 400, param, KEY) for name, fields, param in [
+        # Were 500s: the tool-call planner read these shapes as it found them.
+        ("tool-choice-function-a-string", {"tools": [TOOL], "tool_choice": {"type": "function", "function": "f"}},
+         "tool_choice.function"),
+        ("tool-choice-name-a-list", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {
+            "name": ["f"]}}}, "tool_choice.function.name"),
+        ("tool-choice-name-an-object", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {
+            "name": {"x": 1}}}}, "tool_choice.function.name"),
+        ("tool-choice-a-number", {"tools": [TOOL], "tool_choice": 3}, "tool_choice"),
+        ("tool-choice-unknown-word", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ("tool-choice-type-not-function", {"tools": [TOOL], "tool_choice": {"type": "tool", "function": {
+            "name": "f"}}}, "tool_choice.type"),
+        ("tools-not-a-list", {"tools": {"type": "function"}}, "tools"),
+        ("tool-a-string", {"tools": ["f"]}, "tools[0]"),
+        ("tool-function-a-list", {"tools": [{"type": "function", "function": ["f"]}]}, "tools[0].function"),
+        ("tool-name-a-number", {"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+        ("tool-parameters-a-list", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+         "tools[0].function.parameters"),
+        ("tool-description-an-object", {"tools": [{"type": "function", "function": {"name": "f", "description": {}}}]},
+         "tools[0].function.description"),
+        ("tool-names-twice", {"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools"),
+        ("content-part-text-a-number", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text"),
+        ("content-a-number", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ("name-a-list", {"messages": [{"role": "user", "content": "hi", "name": ["a"]}]}, "messages[0].name"),
+        ("tool-call-id-a-number", {"messages": [*MSG, {"role": "tool", "content": "1", "tool_call_id": 7}]},
+         "messages[1].tool_call_id"),
+        ("tool-call-arguments-an-object", {"messages": [*MSG, {"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": {"x": 1}}}]}]},
+         "messages[1].tool_calls[0].function.arguments"),
+        ("tool-calls-not-a-list", {"messages": [*MSG, {"role": "assistant", "tool_calls": {"id": "c"}}]},
+         "messages[1].tool_calls"),
+        ("response-format-a-string", {"response_format": "json"}, "response_format"),
+        ("json-schema-a-string", {"response_format": {"type": "json_schema", "json_schema": "x"}},
+         "response_format.json_schema"),
+        ("json-schema-schema-a-list", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": [1]}}}, "response_format.json_schema.schema"),
+        ("json-schema-strict-a-string", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {}, "strict": "yes"}}}, "response_format.json_schema.strict"),
+        ("structured-outputs-choice-a-string", {"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+        ("structured-outputs-regex-a-list", {"structured_outputs": {"regex": ["a"]}}, "structured_outputs.regex"),
+        ("guided-json-a-number", {"guided_json": 5}, "guided_json"),
+        ("chat-template-kwargs-a-list", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ("stop-too-many", {"stop": ["a"] * 17}, "stop"),
+    ]],
 ]
 
 
@@ -189,7 +244,7 @@ def test_bad_input(server, case, path, kwargs, status, param, headers):
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]
-    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert isinstance(err["message"], str) and err["message"] and not PYTHON_TEXT.search(err["message"]), err
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param, err

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 
+from server.protocol import ChatCompletionRequest
 from server.tool_calls import Plan, ToolConfig, calls_from_text, may_start_call, parse, partial_calls, plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -74,27 +75,32 @@ def test_partial_calls_follow_the_text_as_it_grows():
     assert [(c.name, c.arguments) for c in partial_calls("auto", "hermes", hermes)] == [("a", '{"x": 1}')]
 
 
+def _plan(tools, choice, parallel, config):
+    """plan() on a request's fields as the server has them: typed at the edge (protocol)."""
+    body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": tools, "tool_choice": choice})
+    return plan(body.tools, body.tool_choice, parallel, config)
+
+
 @pytest.mark.parametrize("tools, choice, config, message", [
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, ToolConfig(), "^tool_choice names"),
     ([WEATHER], "auto", ToolConfig(), "^tool_choice 'auto' needs the server started with"),
     ([], "required", ToolConfig(), "^tool_choice needs tools"),
-    ([{"type": "function"}], "required", ToolConfig(), r"^tools\[0\] must be"),
-    ([WEATHER], "sometimes", ToolConfig(True, "hermes"), "^tool_choice must be"),
+    ([WEATHER, WEATHER], "required", ToolConfig(), r"^tools\[1\]\.function\.name: 'get_weather' names an earlier"),
 ])
 def test_plan_refuses_what_cannot_be_served(tools, choice, config, message):
     with pytest.raises(ValueError, match=message):
-        plan(tools, choice, None, config)
+        _plan(tools, choice, None, config)
 
 
 def test_plan_modes():
-    assert plan(None, None, None, ToolConfig()).mode == "none"
-    assert plan([WEATHER], "none", None, ToolConfig()).mode == "none"
-    assert plan([WEATHER], None, None, ToolConfig(True, "hermes")).mode == "auto"  # tools given: auto by default
-    named = plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, ToolConfig())
+    assert _plan(None, None, None, ToolConfig()).mode == "none"
+    assert _plan([WEATHER], "none", None, ToolConfig()).mode == "none"
+    assert _plan([WEATHER], None, None, ToolConfig(True, "hermes")).mode == "auto"  # tools given: auto by default
+    named = _plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, ToolConfig())
     assert named.mode == "named" and named.name == "get_time" and json.loads(named.grammar.spec) == SCHEMAS["get_time"]
-    one = json.loads(plan([WEATHER], "required", False, ToolConfig()).grammar.spec)
-    assert one["maxItems"] == 1 and "maxItems" not in json.loads(plan([WEATHER], "required", None,
-                                                                       ToolConfig()).grammar.spec)
+    one = json.loads(_plan([WEATHER], "required", False, ToolConfig()).grammar.spec)
+    assert one["maxItems"] == 1 and "maxItems" not in json.loads(_plan([WEATHER], "required", None,
+                                                                        ToolConfig()).grammar.spec)
     assert calls_from_text(Plan("required"), '[{"name": "get_time", "parameters": {"zone": "UTC"}}]', None)[1][0] \
         .arguments == '{"zone": "UTC"}'
 
