@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+from pydantic import BaseModel
+
 from engine.frontend import chat_template
 from server.errors import bad_request
+
+logger = logging.getLogger("pagewise.server")
 
 
 @dataclass
@@ -40,13 +46,18 @@ def longest_token_bytes(tokenizer) -> int:
 
 
 class PromptTokenizer:
-    """Tokenizes and applies the chat template on one worker thread, with its own tokenizer."""
+    """Tokenizes and applies the chat template on one worker thread, with its own tokenizer.
 
-    def __init__(self, tokenizer, max_model_len: int):
+    parse_special_tokens_in_messages: special-token text in what the client sends to the chat
+    template (message content, tool calls and results, tool definitions) becomes control tokens,
+    as in transformers and vLLM; by default it is plain text (chat_template.SpecialsAsText)."""
+
+    def __init__(self, tokenizer, max_model_len: int, parse_special_tokens_in_messages: bool = False):
         try:
             self._tokenizer = copy.deepcopy(tokenizer)
         except Exception:  # not copyable: this thread is then its only user besides decode
             self._tokenizer = tokenizer
+        self._specials = None if parse_special_tokens_in_messages else chat_template.SpecialsAsText(self._tokenizer)
         self.max_model_len = max_model_len
         self.max_prompt_bytes = max_model_len * longest_token_bytes(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagewise-tokenize")
@@ -97,6 +108,8 @@ class PromptTokenizer:
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
+        if tools:  # protocol.Tool models: as the client wrote them, for the template
+            tools = [t.model_dump(exclude_unset=True) if isinstance(t, BaseModel) else t for t in tools]
         return await self._run(self._apply_template, messages, add_generation_prompt, add_special_tokens, tools,
                                continue_final_message, template_kwargs or {})
 
@@ -104,13 +117,20 @@ class PromptTokenizer:
                         tools: list | None = None, continue_final_message: bool = False,
                         template_kwargs: dict | None = None) -> Prompt:
         try:
-            text = chat_template.render(self._tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message,
-                                        template_kwargs=template_kwargs, tools=tools)
-        except Exception as e:  # a template may reject a conversation (e.g. roles that do not alternate)
-            raise bad_request(f"the model's chat template rejected these messages: {e}", param="messages") from e
+            text, ids = chat_template.encode(self._tokenizer, messages, specials=self._specials,
+                                             add_special_tokens=add_special_tokens, tools=tools,
+                                             template_kwargs=template_kwargs,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
+        except TemplateError as e:  # the template's own raise_exception (e.g. roles that do not alternate)
+            message = str(e) if type(e) is TemplateError else "it could not render them"
+            raise bad_request(f"the model's chat template rejected these messages: {message[:300]}",
+                              param="messages") from e
+        except (TypeError, ValueError, LookupError, AttributeError) as e:  # a shape the template cannot read
+            logger.info("the chat template failed on a request's messages: %s: %s", type(e).__name__, e)
+            raise bad_request("the model's chat template could not render these messages", param="messages") from e
         # The template already wrote any BOS it wants: by default the tokenizer adds no other.
-        return Prompt(text, self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return Prompt(text, ids)
 
 
 def _too_long(num_tokens: int, max_model_len: int, param: str):
