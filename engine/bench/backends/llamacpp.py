@@ -6,7 +6,7 @@ when given, else `--model` itself when it is a .gguf file, else the default mode
 when `--model` is the default model (the folder pagewise converts from that same file).
 
 Neither llama-cpp-python nor llama.cpp ships CPU binaries for every machine: both are built
-from the llama-cpp-python source package by benchmarks/llamacpp/build.sh (see the README).
+from the llama-cpp-python source package by benchmarks/llamacpp/build.sh (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SERVER_BINARY = "llama-server"
 CTX_PAD = 256
 
 INSTALL_HINT = (f"build llama.cpp and llama-cpp-python from the llama-cpp-python source package: "
-                f"{BUILD_SCRIPT} [DEST] (see the README's 'Benchmarks')")
+                f"{BUILD_SCRIPT} [DEST] (docs/benchmarks.md, 'llama.cpp as a peer')")
 
 
 class LlamaCppUnavailable(RuntimeError):
