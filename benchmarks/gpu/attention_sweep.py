@@ -1,5 +1,5 @@
 """Sweep the Triton paged-attention launch choices on a GPU: split counts and tiles for decode,
-tiles for prefill (a probe for one lease; kernels/triton_heuristics.py takes what it finds).
+tiles for prefill (a GPU probe; kernels/triton_heuristics.py takes what it finds).
 
     python benchmarks/gpu/attention_sweep.py [--output-json out.json] [--budget-s 150]
 

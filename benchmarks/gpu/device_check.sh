@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One GPU lease, run from the repository root on the device machine:
+# A GPU machine's check, run from the repository root on it:
 #   bash benchmarks/gpu/device_check.sh [check|throughput|all]
 # check: python -m engine.bench.gpu_check (env, kernel + gpu tests, kernel bench, decode anatomy);
 # throughput: engine vs transformers generate on the SmolLM2-135M shape (random weights, bf16,
-# random-length 100-1024 in and out), #14's ">= 5x transformers" target.
+# random-length 100-1024 in and out), the ">= 5x transformers" bar.
 # Wheels the image lacks (gguf, the kernel tests' oracle) travel in .whl/; results go to $OUT.
 set -u
-source benchmarks/gpu/lease_env.sh
+source benchmarks/gpu/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv
 uptime
 what=${1:-all}

@@ -4,7 +4,7 @@ int8 per 32-block, 4 products and their sum per integer instruction).
 
 Why try it: the engine's one-row kernel (kernels/triton_quant_packed.py gemv_kernel) reads a
 16384 x 2048 int4 weight at 1.6 TB/s on an H200 where cuBLAS reads bf16 at 3.5 TB/s, and no tile
-moved it (BENCHMARKS.md, session 20). It spends about 30 instructions a 32-bit word of codes (a
+moved it (BENCHMARKS.md, "GPU"). It spends about 30 instructions a 32-bit word of codes (a
 mask, a subtract and a multiply-add per code). Here a word takes two masks and two dp4a: of the 8
 codes, the even ones' bytes against the even activations' bytes, then the odd ones'. The cost is
 the activations' rounding to int8 (a scale per 32 of them), which llama.cpp accepts; the engine's

@@ -3,7 +3,7 @@
 of memory, and the engine's kernel at tiles its sweeps never tried (1-2 warps; 128-256 columns).
 
 Why try it: gemv_kernel reads a 16384 x 2048 Q4_1 weight at 1.6 TB/s on an H200 where cuBLAS reads
-bf16 at 3.5 TB/s (BENCHMARKS.md, session 20), and no tile of 32-64 columns x 4-8 warps moved it.
+bf16 at 3.5 TB/s (BENCHMARKS.md, "GPU"), and no tile of 32-64 columns x 4-8 warps moved it.
 In the engine's layout (words [K / 8, N]) a program's step of 32 columns x 64 word rows is 64 runs
 of 128 bytes, 64 KB apart, plus 16 x 2 runs of 64 bytes of scales; a bf16 GEMV reads runs of KBs.
 If DRAM pages opened for 128 bytes, or too few bytes in flight a program, are the bound, a layout
@@ -150,7 +150,7 @@ def check(shapes, dev: str, dtype: torch.dtype, tiles, num_sms: int) -> list[dic
 
 # (block_n, word rows a step, warps, programs a SM): the tiled kernel's sweep
 TILED = [(bn, w, warps, per_sm) for bn in (32, 64, 128) for w in (32, 64) for warps in (2, 4) for per_sm in (2, 4)]
-# the engine's kernel at tiles session 20's sweep did not try (it tried 32-64 columns x 32-64 word rows x 4-8 warps)
+# the engine's kernel at tiles the packed_bench.py sweep did not try (it tried 32-64 columns x 32-64 word rows x 4-8 warps)
 ENGINE_MORE = [(32, 64, 1, 4), (32, 64, 2, 4), (32, 32, 1, 8), (64, 32, 2, 4), (128, 16, 4, 2), (128, 32, 4, 2),
                (256, 8, 4, 2), (256, 16, 8, 2)]
 

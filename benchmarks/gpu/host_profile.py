@@ -1,5 +1,5 @@
 """Where a graph-replayed decode step spends its host time, and what weight-only quantization buys
-at batch 1 (a probe for one GPU lease; its output is the record).
+at batch 1 (a GPU probe; its output is the record).
 
     python benchmarks/gpu/host_profile.py --model DIR [--quantizations int4,int8,int4+head] [--steps 200]
         [--packed-tiles F] [--set MODULE.NAME=JSON]
@@ -22,7 +22,7 @@ import pstats
 import statistics
 import time
 
-import probe_args  # benchmarks/gpu, beside this script
+import engine_variants  # benchmarks/gpu, beside this script
 
 
 class Phases:
@@ -50,7 +50,7 @@ def measure(model: str, batch: int, context: int, steps: int, quantization: str 
 
     from engine.bench.decode_anatomy import build_engine, start_decoding
 
-    extra = probe_args.engine_kwargs(quantization)
+    extra = engine_variants.engine_kwargs(quantization)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     llm = build_engine(model, batch, context, steps * 3 + 64, dtype, False, **extra)
     core = llm.engine
@@ -124,9 +124,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--quantizations", default="int4,int8")
     p.add_argument("--output-json", default=None)
-    probe_args.add_arguments(p)
+    engine_variants.add_arguments(p)
     args = p.parse_args()
-    probe_args.apply_arguments(args)
+    engine_variants.apply_arguments(args)
     rows = []
     kinds = [None] + [q for q in args.quantizations.split(",") if q]
     for i, q in enumerate(kinds):

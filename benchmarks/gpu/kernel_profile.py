@@ -1,4 +1,4 @@
-"""The GPU kernels of one decode step, each with its time per step (a probe for one lease).
+"""The GPU kernels of one decode step, each with its time per step (a GPU probe).
 
     python benchmarks/gpu/kernel_profile.py --model DIR [--quantizations int4] [--batch 1] [--context 1024]
 
@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-import probe_args  # benchmarks/gpu, beside this script
+import engine_variants  # benchmarks/gpu, beside this script
 
 
 def profile(model: str, batch: int, context: int, steps: int, quantization: str | None) -> dict:
@@ -30,7 +30,7 @@ def profile(model: str, batch: int, context: int, steps: int, quantization: str 
         if on_cuda:
             torch.cuda.synchronize()
 
-    extra = probe_args.engine_kwargs(quantization)
+    extra = engine_variants.engine_kwargs(quantization)
     llm = build_engine(model, batch, context, steps * 2 + 64, "bfloat16" if on_cuda else "float32", False, **extra)
     core = llm.engine
     ids = start_decoding(core, batch, context, steps * 2 + 32)
@@ -62,9 +62,9 @@ def main() -> int:
     p.add_argument("--quantizations", default="int4")
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--output-json", default=None)
-    probe_args.add_arguments(p)
+    engine_variants.add_arguments(p)
     args = p.parse_args()
-    probe_args.apply_arguments(args)
+    engine_variants.apply_arguments(args)
     rows = []
     for q in [None] + [q for q in args.quantizations.split(",") if q]:
         try:

@@ -1,5 +1,5 @@
 """The repacked 4/8-bit matmul (kernels/triton_quant_packed.py) against the GGUF-block kernel
-(kernels/triton_quant.py) and cuBLAS bf16, on a 1B model's layer shapes (a probe for one GPU lease).
+(kernels/triton_quant.py) and cuBLAS bf16, on a 1B model's layer shapes (a GPU probe).
 
     python benchmarks/gpu/packed_bench.py [--rows 1,16] [--sweep [--best-json F]] [--output-json F]
 

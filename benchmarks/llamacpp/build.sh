@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp (llama-server, llama-bench, llama-batched-bench) and the
+# Build llama.cpp (llama-server, llama-bench, llama-batched-bench, llama-quantize) and the
 # llama-cpp-python binding from the llama-cpp-python source package, for the
 # `engine bench` peer comparisons. Neither project ships CPU binaries for this
 # machine's Python/glibc, and the sdist vendors a llama.cpp tree that matches
@@ -63,7 +63,7 @@ fi
 
 # 3. The binaries (again when the source or the flags changed: DEST/bin/.config records them).
 BUILD="$DEST/build/$NAME"
-TARGETS=(llama-server llama-bench llama-batched-bench)
+TARGETS=(llama-server llama-bench llama-batched-bench llama-quantize)
 need_build=0
 for t in "${TARGETS[@]}"; do
     [[ -x "$DEST/bin/$t" ]] || need_build=1

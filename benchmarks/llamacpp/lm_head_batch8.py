@@ -1,6 +1,6 @@
 """Batch-8 decode of the default model with its tied LM head as the file stores it (Q8_0 blocks) or
 dequantized to bf16 (the loader told to leave the vocabulary matrix float), everything else equal:
-what the quantized head costs at 8 sequences (BENCHMARKS.md, session 7). Run the two alternately:
+what the quantized head costs at 8 sequences (BENCHMARKS.md, "Decode against llama.cpp"). Run the two alternately:
 
     python benchmarks/llamacpp/lm_head_batch8.py quanthead
     python benchmarks/llamacpp/lm_head_batch8.py floathead

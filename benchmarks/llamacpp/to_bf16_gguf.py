@@ -1,6 +1,6 @@
 """Write a GGUF file's quantized tensors as BF16 (float tensors and every metadata key as they are):
 the same weights llama.cpp and pagewise serve from the quantized file, dequantized, for the bf16 rows
-of #16's single-sequence comparison.
+of the single-sequence comparison.
 
     python benchmarks/llamacpp/to_bf16_gguf.py IN.gguf OUT.gguf
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Single-sequence decode on the default model's Q4_1 file: the fused C++ decoder layers
 # (EngineConfig.cpu_fused_layers, the default) against the modules op by op, alternating in one
-# session, then llama-bench on the same file with the same threads. JSON: benchmarks/quant/fused-*.json.
+# run, then llama-bench on the same file with the same threads. JSON: benchmarks/quant/fused-*.json.
 set -eu
 G=$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")
 PAIRS=${PAIRS:-3}

@@ -2,7 +2,7 @@
 # The default model's 64 x 128/128 offline throughput (`engine bench throughput`, the default dtype
 # and file) on a quiet machine, then beside one busy loop per CPU with the default thread count (the
 # LoadFollower) and each fixed --num-threads 1..4, twice in that order: whether the default keeps
-# >= 0.4x of its quiet throughput and never falls below one thread (#16 point 0), and what the fixed
+# >= 0.4x of its quiet throughput and never falls below one thread (the shared-CPU bar), and what the fixed
 # counts would give instead. JSON and logs per run in OUT; a line per run on stdout.
 #   bash benchmarks/threads/busy_thread_counts.sh benchmarks/threads/s18
 set -u

@@ -1,11 +1,11 @@
-"""Engine throughput with kernels/cpu_quant.cpp's helper pool (a probe for #16 point 0): the default
+"""Engine throughput with kernels/cpu_quant.cpp's helper pool (a probe for threads beside busy loops): the default
 model's Q4_1 file, 64 prompts of 128 random tokens, 128 new tokens each (greedy, EOS ignored), as
 `engine bench throughput` runs it in benchmarks/threads/shared_cpus.sh. Modes:
   default   the engine's own threads (the load follower)
   one       --num-threads 1
   helper    --num-threads 1 (torch's ops on the caller) and the quantized matmuls on the caller plus
             CPUs - 1 helpers that it never waits for (cpu_build.set_helpers; kernels/cpu_ops.cpp's loops too
-            from session 21)
+            from the helper pool's change)
 
     python benchmarks/threads/helper_pool_ab.py MODE [OUT.json]
 """

@@ -1,5 +1,5 @@
 // Does a helper thread the caller never waits for beat OpenMP's team on CPUs that busy loops share?
-// A probe for #16 point 0 (threads beside one busy loop per CPU), not engine code.
+// A probe for threads beside one busy loop per CPU, not engine code.
 //
 // The work: steps of LAYERS float32 matrix-vector products (ROWS x COLS, the default model's
 // 576-wide shapes), each product's rows cut into CHUNKS. Modes:
