@@ -12,7 +12,6 @@ is bound first, then the engine starts, then uvicorn serves on the bound socket.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import ipaddress
 import json
@@ -39,6 +38,7 @@ class StartupError(Exception):
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on an argparse subparsers object."""
     from server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
+    from server.http_protocol import ReadTimeouts
 
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                    description="Serve a model over an OpenAI-compatible HTTP API.\n"
@@ -62,7 +62,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="reject larger request bodies with 413")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted")
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are aborted "
+                        "(a second signal exits at once)")
+    g.add_argument("--timeout-keep-alive", type=_seconds, default=ReadTimeouts.keep_alive, metavar="SECONDS",
+                   help="close a connection that sends nothing this long after it opened or after its last "
+                        "response")
+    g.add_argument("--timeout-header", type=_seconds, default=ReadTimeouts.header, metavar="SECONDS",
+                   help="answer 408 and close when a request's line and headers are not in this long after the "
+                        "connection opened (or its last response)")
+    g.add_argument("--timeout-body", type=_seconds, default=ReadTimeouts.body, metavar="SECONDS",
+                   help="answer 408 and close when a request body is not in this long after its headers, plus "
+                        "one second per 16 KiB received (a steady upload is never cut; responses never are)")
+    g.add_argument("--limit-connections", type=int, default=None, metavar="N",
+                   help="connections open at once; past it the oldest idle one is closed, or, when all are busy, "
+                        "new ones get 503 (/health still answers) (default: what the open-files limit allows, "
+                        "at most 8192; the soft limit is raised to the hard one at start)")
     g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS, default=None,
                    metavar="LEVEL", help=f"uvicorn's own logs: {', '.join(UVICORN_LOG_LEVELS)} "
                                          "(default: the same as --log-level)")
@@ -75,6 +89,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(parser)  # every EngineConfig field, generated from the dataclass
     parser.set_defaults(func=serve)
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _origins(text: str) -> list[str]:
@@ -130,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     """Bind the port, start the engine (the model loads), then serve. A failure the user can fix
     is one line on stderr and exit 2; 1 when the engine died while serving."""
     from engine.default_model import USER_ERRORS
+    from server.connections import connection_limit, raise_open_files_limit
 
     log_level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -138,12 +163,13 @@ def serve(args: argparse.Namespace) -> int:
                                  "it says how this model writes its calls"))
     try:
         config = engine_config_from_args(args)
+        limit = connection_limit(args.limit_connections, raise_open_files_limit())
         sock = bind_socket(args.host, args.port)
     except (StartupError, *USER_ERRORS) as e:
         return _error(e)
     api_key = args.api_key or api_key_from_env()
     _warn_if_exposed(args, api_key)
-    server, engine = _build_server(args, config, api_key, log_level)
+    server, engine = _build_server(args, config, api_key, log_level, limit)
     try:
         server.run(sockets=[sock])  # on uvicorn's own event loop (uvloop where installed)
     except StartupError as e:
@@ -164,7 +190,7 @@ def _warn_if_exposed(args: argparse.Namespace, api_key: str | None) -> None:
         logger.warning("--protect-metrics has no effect without an API key")
 
 
-def _build_server(args: argparse.Namespace, config, api_key: str | None, log_level: str):
+def _build_server(args: argparse.Namespace, config, api_key: str | None, log_level: str, limit: int):
     """The engine (not started yet) and the uvicorn server around its app."""
     import uvicorn
 
@@ -172,66 +198,25 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     from engine.frontend.async_engine import AsyncEngine
     from engine.frontend.data_parallel import DataParallelCore
     from server.app import build_app
-    from server.http_protocol import JSONErrorH11Protocol  # uvicorn's own 400s in OpenAI's error shape
+    from server.connections import ConnectionTable
+    from server.http_protocol import HTTPProtocol, ReadTimeouts
+    from server.uvicorn_server import EngineServer
 
     engine = AsyncEngine(config, core_factory=DataParallelCore if config.data_parallel_size > 1 else None)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
                     exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
-    uv_config = uvicorn.Config(app, http=JSONErrorH11Protocol, log_level=args.uvicorn_log_level or log_level.lower(),
+    uv_config = uvicorn.Config(app, http=HTTPProtocol, ws="none", log_level=args.uvicorn_log_level or log_level.lower(),
+                               timeout_keep_alive=args.timeout_keep_alive,
                                # uvicorn's own backstop, after our drain has aborted what was left
                                timeout_graceful_shutdown=args.shutdown_timeout + 10)
-    return _engine_server(uv_config, engine, args.shutdown_timeout, USER_ERRORS), engine
+    timeouts = ReadTimeouts(args.timeout_keep_alive, args.timeout_header, args.timeout_body)
+    server = EngineServer(uv_config, engine, shutdown_timeout=args.shutdown_timeout, user_errors=USER_ERRORS,
+                          timeouts=timeouts, table=ConnectionTable(limit))
+    return server, engine
 
 
 def _error(e: BaseException) -> int:
     print(f"engine serve: error: {e}", file=sys.stderr)
     return 2
-
-
-def _engine_server(config, engine, timeout: float, user_errors: tuple):
-    """A uvicorn.Server that starts the engine before serving and, on SIGINT/SIGTERM, starts
-    draining it at once.
-
-    The engine starts here rather than in the app's lifespan (which calls start() again, a
-    no-op): a bad model folder is then a StartupError (one line), not uvicorn's lifespan
-    traceback. uvicorn waits for open connections before the lifespan shutdown runs, so a long
-    stream could hold shutdown forever; draining from the signal lets running requests finish
-    up to the timeout, then ends the rest with a final `abort` event."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        loop: asyncio.AbstractEventLoop | None = None
-
-        async def serve(self, sockets=None):
-            try:
-                await engine.start()
-            except user_errors as e:
-                raise StartupError(str(e)) from e
-            try:
-                await super().serve(sockets)
-            finally:
-                await engine.shutdown(timeout)  # a no-op after the lifespan's own shutdown
-
-        def handle_exit(self, sig, frame):
-            if self.loop is not None and not self.should_exit:
-                logger.info("signal %d: draining for up to %.0fs, then stopping", sig, timeout)
-                self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(engine.shutdown(timeout)))
-            super().handle_exit(sig, frame)
-            if engine.died is not None:
-                # The app's own SIGTERM after the engine died: uvicorn would raise it again once
-                # stopped, killing the process before serve() returns its exit status 1.
-                getattr(self, "_captured_signals", []).clear()
-
-        async def startup(self, sockets=None):
-            self.loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-            if self.started:
-                for server in self.servers:
-                    for sock in server.sockets:
-                        host, port = sock.getsockname()[:2]
-                        logger.info("pagewise listening on http://%s:%d", host, port)
-
-    return Server(config)
-
