@@ -182,6 +182,20 @@ class EngineConfig:
 
         self._check_types()
         check(-(1 << 63) <= self.seed < 1 << 64, "seed", "a 64-bit integer (what torch's generators take)")
+    # Structured output: what a request's grammar may cost (engine/structured_output/).
+    grammar_max_bytes: int = _knob(65536, "structured output: the largest JSON schema, regex, grammar or choice "
+                                          "list (its JSON text, in bytes) a request may send; larger is a 400")
+    grammar_max_depth: int = _knob(64, "structured output: how deep a JSON schema's text may nest (objects and "
+                                       "arrays); deeper is a 400")
+    grammar_max_values: int = _knob(2048, "structured output: the most enum/const values a JSON schema may list, "
+                                          "or choices a choice list; more is a 400")
+    grammar_compile_timeout_s: float = _knob(10.0, "structured output: seconds a grammar may take to compile; "
+                                                   "past it the request is a 400 (too complex)")
+    grammar_cache_mib: int = _knob(32, "structured output: memory for compiled grammars (MiB), least recently "
+                                       "used dropped first")
+    json_value_limits: bool = _knob(True, "structured output: JSON integers, numbers and strings that the schema "
+                                          "leaves unbounded get bounds that let the output close (64-bit integers, "
+                                          "doubles, strings of at most about max_tokens / 2 characters)")
         self.dtype = canonical_dtype(self.dtype)
         self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")

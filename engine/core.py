@@ -55,7 +55,7 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
         if v is not None and v > max_logprobs:
             raise ValueError(f"{name} must be at most max_logprobs ({max_logprobs}), got {v}")
     if params.structured_outputs is not None:
-        structured_output.check(params.structured_outputs)
+        structured_output.admit(params.structured_outputs, params.max_tokens)
 
 
 class EngineCore:

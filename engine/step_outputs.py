@@ -30,11 +30,14 @@ class StepOutputs:
     def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
         """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
         stream whose own data makes it raise is failed."""
+        offer = self._grammar_offer()
         for state in streams:
-            if state.sampling_params.structured_outputs is not None and state.grammar is None:
+            p = state.sampling_params
+            if p.structured_outputs is not None and state.grammar is None:
                 try:
-                    state.grammar = self._grammars().matcher(state.sampling_params.structured_outputs,
-                                                             state.output_token_ids)
+                    self.sampler.grammars = offer.grammars()
+                    state.grammar = self.sampler.grammars.matcher(p.structured_outputs, p.max_tokens,
+                                                                  state.output_token_ids)
                 except Exception as e:
                     self._failed(out, state, e)
         failed = {req_id for req_id, *_ in out.failed}
@@ -70,13 +73,18 @@ class StepOutputs:
                 return results
         return []
 
-    def _grammars(self):
-        if self.sampler.grammars is None:
-            from engine.structured_output import StructuredOutputs
+    def _grammar_offer(self):
+        """How this rank builds its grammars (at its first constrained stream), offered to the process
+        at its first step, so that a server in this process compiles ahead of the steps."""
+        offer = getattr(self, "grammar_offer", None)
+        if offer is None:
+            from engine import structured_output
 
-            self.sampler.grammars = StructuredOutputs(self.source.tokenizer, self.hf_config.vocab_size,
-                                                      self.source.eos_token_ids, self.backend.apply_token_bitmask)
-        return self.sampler.grammars
+            args = (self.source.tokenizer, self.hf_config.vocab_size, self.source.eos_token_ids,
+                    self.backend.apply_token_bitmask, self.config)  # not self: the registry must not keep it
+            offer = self.grammar_offer = structured_output.offer_sampler(
+                lambda: structured_output.StructuredOutputs(*args))
+        return offer
 
     def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
               ends: list) -> None:

@@ -65,14 +65,26 @@ def test_n2_and_an_unconstrained_neighbour(llm):
     assert outs[1].outputs[0].token_ids == alone
 
 
+MUTUAL = {"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                    "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+          "$ref": "#/$defs/a"}
+
+
 @pytest.mark.parametrize("spec, message", [
     (("json", {"type": "object", "properties": {"a": {"type": "nonsense"}}}), "^structured_outputs: the json"),
     (("regex", "([a-"), "^structured_outputs: the regex"),
     (("grammar", "root ::= ("), "^structured_outputs: the grammar"),
     (("json", {"type": "string", "pattern": "^a+$", "maxLength": 3}), "^structured_outputs: .*not enforced"),
-    # They compile, and no token is ever allowed: the first step would sample one its grammar forbids.
-    (("json", {"$ref": "#"}), "^structured_outputs: the json admits no output"),
-    (("grammar", "root ::= root"), "^structured_outputs: the grammar admits no output"),
+    # No output of them can ever end: the first refers only to itself, the next two require each other.
+    (("json", {"$ref": "#"}), "^structured_outputs: the json admits no finite output"),
+    (("json", MUTUAL), "^structured_outputs: the json admits no finite output"),
+    (("json", {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": MUTUAL["$defs"]}),
+     "^structured_outputs: the json has a part that can never end"),
+    (("grammar", "root ::= root"), "^structured_outputs: the grammar admits no finite output"),
+    (("grammar", 'root ::= "ab" rest\nrest ::= rest'), "^structured_outputs: the grammar admits no finite output"),
+    (("json", {"$ref": "file:///etc/passwd"}), r"^structured_outputs: the JSON schema refers outside itself \(\$ref"),
+    (("json", {"type": "object", "properties": {"a": {"$ref": "http://example.com/s.json"}}}),
+     "^structured_outputs: the JSON schema refers outside itself"),
 ])
 def test_bad_specs_are_refused_naming_the_field(llm, spec, message):
     with pytest.raises(ValueError, match=message):
@@ -80,10 +92,20 @@ def test_bad_specs_are_refused_naming_the_field(llm, spec, message):
     assert "bad" not in llm.engine.parents
 
 
+def test_properties_named_like_keywords_are_properties(llm):
+    """A property named `pattern` beside one named `maxLength` is not the unenforced keyword pair."""
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "maxLength": 5},
+                                               "maxLength": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["pattern", "maxLength"], "additionalProperties": False}
+    out = llm.chat([_ask(schema)], SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=GrammarSpec.of(
+        "json", schema)), use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), schema)
+
+
 def test_grammars_of_one_empty_or_multibyte_output_are_admitted(llm):
-    """The admission's byte-level check refuses only a grammar with no output: one whose only
-    output is empty (the model must end at once) or starts with a multi-byte character passes,
-    and the engine produces exactly that."""
+    """The admission refuses only a grammar with no finite output: one whose only output is empty
+    (the model must end at once) or starts with a multi-byte character passes, and the engine
+    produces exactly that."""
     specs = [GrammarSpec.of("grammar", 'root ::= ""'), GrammarSpec.of("regex", "日本"), GrammarSpec.of("choice", ["é"])]
     outs = llm.generate(["Say something."] * 3, [SamplingParams(max_tokens=8, structured_outputs=s) for s in specs],
                         use_tqdm=False)
@@ -110,27 +132,23 @@ def test_a_grammar_that_has_ended_ends_the_output(llm):
 
 
 def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
-    """allowed_token_ids the grammar never allows, a grammar that dead-ends after its first tokens,
-    or only the end token allowed under min_tokens: the request ends with an error naming the
-    fields (invalid_request: its client's to change, an HTTP 400), not token 0 sampled from a row
-    of -inf; its neighbours get what they get alone, and no KV block stays taken."""
+    """allowed_token_ids the grammar never allows, or only the end token allowed under min_tokens:
+    the request ends with an error naming the fields (invalid_request: its client's to change, an
+    HTTP 400), not token 0 sampled from a row of -inf; its neighbours get what they get alone, and
+    no KV block stays taken."""
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(["Say something."] * 2, [plain, seeded], use_tqdm=False)]
     eos = llm.engine.eos_token_ids[0]
-    dead_end = GrammarSpec.of("grammar", 'root ::= "ab" rest\nrest ::= rest')
     cases = [(SamplingParams(max_tokens=8, allowed_token_ids=[5, 6], structured_outputs=GrammarSpec.of(
                  "choice", ["yes", "no"])),
               "^allowed_token_ids: after 0 output tokens, allowed_token_ids and structured_outputs together"),
-             (SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=dead_end),  # greedy; the others sample
-              r"^structured_outputs: after \d+ output tokens the grammar allows no token"),
              (SamplingParams(max_tokens=8, min_tokens=2, allowed_token_ids=[eos]),
               "^allowed_token_ids: after 0 output tokens, allowed_token_ids and min_tokens together")]
     outs = llm.generate(["Say something."] * (len(cases) + 2), [p for p, _ in cases] + [plain, seeded],
                         use_tqdm=False)
     for out, (_, message) in zip(outs, cases):
         assert out.invalid_request and re.match(message, out.error), out.error
-    assert outs[1].outputs[0].text == "ab"  # what the grammar allowed streamed out first
     # the neighbours, sampled again without the failed rows: a seeded one draws what it draws alone
     assert [o.error for o in outs[-2:]] == [None, None] and [o.outputs[0].token_ids for o in outs[-2:]] == alone
     assert llm.engine.stats()["num_used_blocks"] == 0
