@@ -150,7 +150,7 @@ def check(shapes, dev: str, dtype: torch.dtype, tiles, num_sms: int) -> list[dic
 
 # (block_n, word rows a step, warps, programs a SM): the tiled kernel's sweep
 TILED = [(bn, w, warps, per_sm) for bn in (32, 64, 128) for w in (32, 64) for warps in (2, 4) for per_sm in (2, 4)]
-# the engine's kernel at tiles the packed_bench.py sweep did not try (it tried 32-64 columns x 32-64 word rows x 4-8 warps)
+# the engine's kernel at tiles packed_bench.py's sweep did not try (32-64 columns x 32-64 word rows x 4-8 warps)
 ENGINE_MORE = [(32, 64, 1, 4), (32, 64, 2, 4), (32, 32, 1, 8), (64, 32, 2, 4), (128, 16, 4, 2), (128, 32, 4, 2),
                (256, 8, 4, 2), (256, 16, 8, 2)]
 

@@ -1,8 +1,8 @@
 """bf16 rows against a bf16 weight on a CPU with native bf16 matmuls, by rows, the default model's
 layer shapes and its 49,152-row LM head, weights cold (copies cycled past the last-level cache, as a
-decode step streams its layers): oneDNN on its packed copy (kernels.cpu_ops.pack_linear_weight: a
-bfloat16 model's weights before bf16 dot products on the matrices as stored, and with --no-cpu-bf16-weights), F.linear on the matrix as
-stored, and the matrix as BF16 blocks through the engine's path (kernels.cpu_quant.linear: bf16 dot
+decode step streams its layers): oneDNN on its packed copy (kernels.cpu_ops.pack_linear_weight: what
+--no-cpu-bf16-weights runs), F.linear on the matrix as stored, and the matrix as BF16 blocks through
+the engine's path (kernels.cpu_quant.linear: bf16 dot
 products at the register kernel's rows, then a layer's matrix linear_bf16_outer up to BF16_OUTER_ROWS,
 F.linear on the matrix as stored beyond) and through the dot kernel itself at every row count
 (linear_f32). ms a call, mean of a timed loop; ratios are packed / path.
