@@ -27,14 +27,15 @@ def clean_env() -> dict:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: str, env: dict | None = None, startup_timeout: float = 180.0,
-                 entry: str = "engine", device: str = "cpu"):
+                 entry: str = "engine", device: str = "cpu", preexec_fn=None):
         """`entry`: the module run as `python -m ENTRY serve`; "engine.cli" is the `engine` console script.
-        `device`: the server tests expect the CPU's float32 tokens and KV sizes, on a GPU machine too."""
+        `device`: the server tests expect the CPU's float32 tokens and KV sizes, on a GPU machine too.
+        `preexec_fn`: run in the child before the server starts (e.g. to set its resource limits)."""
         self.log_path = log_path
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", entry, "serve", "--port", "0", "--device", device, *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**clean_env(), **(env or {})})
+                                     env={**clean_env(), **(env or {})}, preexec_fn=preexec_fn)
         self.url = self._wait_listening(startup_timeout)
         self.base_url = self.url + "/v1"
 
