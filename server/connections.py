@@ -30,10 +30,12 @@ def raise_open_files_limit() -> int:
     """Raise this process's open-files soft limit to its hard limit, as nginx and Go do; the
     limit in effect."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
+    # An unlimited hard limit (macOS) still has a per-process cap; this much is plenty.
+    wanted = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+    if soft < wanted:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
         except (ValueError, OSError):
             pass
     return soft
@@ -83,7 +85,7 @@ class ConnectionTable:
         self.closing = 0  # closed by us to make room, descriptor not yet released
         self.idle: OrderedDict[object, None] = OrderedDict()
         self.log = LogLimiter()
-        self._on_room: list = []  # listeners paused at the ceiling
+        self._on_room: list = []  # resume callbacks of listeners paused at the ceiling
 
     @property
     def ceiling(self) -> int:
@@ -102,6 +104,10 @@ class ConnectionTable:
                 return True
         return False
 
+    def wait_for_room(self, resume) -> None:
+        """Call `resume()` once a connection closes below the ceiling."""
+        self._on_room.append(resume)
+
     def set_idle(self, protocol, idle: bool) -> None:
         if idle:
             self.idle[protocol] = None
@@ -111,7 +117,7 @@ class ConnectionTable:
     def closed(self, protocol) -> None:
         self.idle.pop(protocol, None)
         self.open -= 1
-        if getattr(protocol, "evicted", False):
+        if protocol.evicted:
             self.closing -= 1
         if self._on_room and self.open < self.ceiling:
             for resume in self._on_room:
@@ -147,7 +153,7 @@ class Listener:
         for _ in range(ACCEPT_BATCH):
             if table.open >= table.ceiling:
                 self._pause()
-                table._on_room.append(self._resume)
+                table.wait_for_room(self._resume)
                 table.log.warning("ceiling", "%d connections open (--limit-connections and %d spare): new ones "
                                   "wait in the kernel's queue until some close", table.open, SPARE_CONNECTIONS)
                 return
@@ -155,12 +161,11 @@ class Listener:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
-            except OSError as e:
-                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    raise
-                table.log.warning("accept", "cannot accept connections (%s): retrying", e.strerror)
-                self._pause()
-                self.loop.call_later(EMFILE_RETRY_S, self._resume)
+            except OSError as e:  # out of descriptors or memory, or a connection reset while queued
+                table.log.warning("accept", "cannot accept a connection (%s): retrying", e.strerror)
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause()
+                    self.loop.call_later(EMFILE_RETRY_S, self._resume)
                 return
             conn.setblocking(False)
             over = not table.make_room()
