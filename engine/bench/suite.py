@@ -172,6 +172,7 @@ def run(scenario: dict, results_dir: Path, log=print) -> dict:
     Path(values["dir"]).mkdir(parents=True, exist_ok=True)
     Path(values["models"]).mkdir(parents=True, exist_ok=True)
     rounds: dict[int, dict[str, float]] = {}
+    loads: list[float] = []
     todo = plan(scenario, values)
     for n, (kind, r, k, command, out_file) in enumerate(todo, 1):
         if kind == "prepare" and Path(out_file).exists():
@@ -179,6 +180,8 @@ def run(scenario: dict, results_dir: Path, log=print) -> dict:
             continue
         log(f"[suite] {scenario['name']} {n}/{len(todo)}" + (f" round {r}" if r else " prepare") + f": {command}")
         stem = Path(values["dir"], f"{kind}{k + 1}-round{r}")
+        if kind == "step":
+            loads.append(os.getloadavg()[0])
         start = time.monotonic()
         proc = subprocess.run(argv(command), cwd=ROOT, capture_output=True, text=True)
         stem.with_suffix(".out").write_text(proc.stdout)
@@ -191,7 +194,8 @@ def run(scenario: dict, results_dir: Path, log=print) -> dict:
         if kind == "step":
             step = scenario["step"][k]
             rounds.setdefault(r, {}).update(relabel(read(step["read"], out_file, proc.stdout), step.get("label")))
-    return {"name": scenario["name"], "rounds": rounds, "commands": [c for kind, _, _, c, _ in todo if kind == "step"]}
+    commands = [c for kind, _, _, c, _ in todo if kind == "step"]
+    return {"name": scenario["name"], "rounds": rounds, "loads": loads, "commands": commands}
 
 
 def compared(scenario: dict, result: dict) -> list[dict]:
@@ -208,11 +212,14 @@ def compared(scenario: dict, result: dict) -> list[dict]:
 def rendered_rows(scenario: dict, result: dict, machine: str, commit: str) -> list[str]:
     date = datetime.date.today().isoformat()
     command = " ; then ".join(s["run"] for s in scenario["step"])
+    # The machines are shared: the load beside a run says how far its absolute numbers can be trusted.
+    loads = result.get("loads") or [0.0]
+    load = f"; 1-min load {min(loads):.1f}" + (f"-{max(loads):.1f}" if max(loads) > min(loads) + 0.05 else "")
     rows = []
     for c in compared(scenario, result):
         n = len(c["ratios"])
         result_text = (f"{c['a']} {c['a_median']:,.1f}, {c['b']} {c['b_median']:,.1f}"
-                       + (f" (medians of {n} alternating rounds)" if n > 1 else ""))
+                       + (f" (medians of {n} alternating rounds)" if n > 1 else "") + load)
         ratio = f"**{statistics.median(c['ratios']):.2f}x**"
         if n > 1:
             ratio += f" ({min(c['ratios']):.2f}-{max(c['ratios']):.2f})"
