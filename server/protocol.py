@@ -29,7 +29,21 @@ def _integral_float(v: Any) -> Any:
 
 # An integer field: strict (no "5", no true), except that an integral float counts.
 Int = Annotated[int, BeforeValidator(_integral_float)]
-TokenId = Annotated[Int, Field(ge=0)]
+
+
+def IntIn(ge: int | None = None, le: int | None = None):
+    """Int within bounds (the bounds inside the validator, so that the document carries them)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral_float)]
+
+
+def FloatIn(ge: float | None = None, le: float | None = None, gt: float | None = None):
+    return Annotated[float, Field(ge=ge, le=le, gt=gt)]
+
+
+# Marks a token id in the document, where the served vocabulary's size is filled in (server/openapi.py).
+TOKEN_ID_MARK = "x-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_integral_float)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 # logit_bias keys: ASCII digits only (str.isdecimal would take "²" and "①", which int() refuses).
 LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "additionalProperties": False, "patternProperties": {
     r"^\s*[0-9]+\s*$": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}},
@@ -56,6 +70,17 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _needs(field: str, harmless: dict, other: str, needed: dict) -> dict:
+    """For the document: `field` absent or harmless, or else `other` set as needed (a rule a
+    validator below enforces across two fields)."""
+    return {"anyOf": [{"properties": {field: harmless}}, {"required": [other], "properties": {other: needed}}]}
+
+
+def _rules(*rules: dict):
+    """json_schema_extra adding cross-field rules to a request's document."""
+    return lambda schema, _: schema.setdefault("allOf", []).extend(rules)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -68,23 +93,31 @@ def _unsupported(what: str, value: Any, noop: tuple = (None,)) -> Any:
 
 
 # The JSON schema of a completions `prompt` / embeddings `input` (checked by _prompt_shape).
+_ID = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}
 PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-                           {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                           {"type": "array", "minItems": 1,
-                            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}}]}
+                           {"type": "array", "items": _ID, "minItems": 1},
+                           {"type": "array", "minItems": 1, "items": {"type": "array", "items": _ID, "minItems": 1}}]}
 PromptField = Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
 
 
 def _prompt_shape(v):
-    """A completions `prompt` or an embeddings `input`: one clear message for every wrong shape."""
-    def is_ids(x):
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    """A completions `prompt` or an embeddings `input`: one clear message for every wrong shape
+    (token ids as integral floats are integers, as for every integer field)."""
+    def ids(x):
+        if isinstance(x, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in x):
+            x = [_integral_float(t) for t in x]
+            return x if all(isinstance(t, int) for t in x) else None
+        return None
 
-    if isinstance(v, str) or is_ids(v):
+    if isinstance(v, str):
         return v
-    if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
+    if ids(v) is not None:
+        return ids(v)
+    if isinstance(v, list) and all(isinstance(p, str) for p in v):
         return v
+    if isinstance(v, list) and all(ids(p) is not None for p in v):
+        return [ids(p) for p in v]
     raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
@@ -98,7 +131,15 @@ class JSONSchemaFormat(_Request):
     strict: bool | None = None
 
 
+def _format_schema(schema: dict) -> None:
+    """For the document: json_schema given with type json_schema, and only then."""
+    schema["oneOf"] = [{"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}},
+                       {"required": ["json_schema"], "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                           "type": "object"}}}]
+
+
 class ResponseFormat(_Request):
+    model_config = ConfigDict(json_schema_extra=lambda schema, _: _format_schema(schema))
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -115,9 +156,9 @@ class StructuredOutputs(_Request):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema, or its JSON text
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # EBNF (GBNF)
+    regex: NonEmpty | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    grammar: NonEmpty | None = None  # EBNF (GBNF)
 
     def constraints(self) -> list[tuple[str, Any]]:
         """(kind, value) of each constraint set (None and false set none)."""
@@ -142,24 +183,24 @@ class _SamplingRequest(_Request):
     ranges are SamplingParams' (which checks them for the engine's own callers too)."""
 
     model: str | None = None  # optional: this server serves one model
-    temperature: Annotated[float | None, Field(ge=0, le=2)] = None
-    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    temperature: FloatIn(0, 2) | None = None
+    top_p: FloatIn(le=1, gt=0) | None = None
+    n: IntIn(1, MAX_N) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
-    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    seed: Annotated[Int | None, Field(ge=SEED_MIN, le=SEED_MAX)] = None
+    presence_penalty: FloatIn(-2, 2) | None = None
+    frequency_penalty: FloatIn(-2, 2) | None = None
+    seed: IntIn(SEED_MIN, SEED_MAX) | None = None
     user: str | None = None  # an end-user id for abuse tracking; recorded nowhere, changes nothing
     # OpenAI: token ids as JSON keys (strings), each bias in [-100, 100]
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
                           BeforeValidator(_logit_bias_keys), WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     # Engine extras (vLLM names).
-    top_k: Annotated[Int | None, Field(ge=-1)] = None
-    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
-    repetition_penalty: Annotated[float | None, Field(ge=MIN_REPETITION_PENALTY, le=10)] = None
-    min_tokens: Annotated[Int, Field(ge=0)] = 0
+    top_k: IntIn(-1) | None = None
+    min_p: FloatIn(0, 1) | None = None
+    repetition_penalty: FloatIn(MIN_REPETITION_PENALTY, 10) | None = None
+    min_tokens: IntIn(0) = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: Annotated[list[TokenId] | None, Field(min_length=1)] = None
@@ -171,9 +212,9 @@ class _SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    guided_grammar: NonEmpty | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -233,13 +274,17 @@ class _SamplingRequest(_Request):
 
 
 # --------------------------------------------------------------------------- completions
+STREAM_OPTIONS_RULE = _needs("stream_options", {"type": "null"}, "stream", {"const": True})
+
+
 class CompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(json_schema_extra=_rules(STREAM_OPTIONS_RULE))
     prompt: PromptField  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
-    max_tokens: Int | None = 16  # OpenAI's default; null means "up to the context window"
-    logprobs: Int | None = None
+    max_tokens: IntIn(1) | None = 16  # OpenAI's default; null means "up to the context window"
+    logprobs: IntIn(0) | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: Int | None = None
+    suffix: Annotated[str | None, WithJsonSchema({"enum": ["", None]})] = None
+    best_of: IntIn(1, MAX_N) | None = None  # only n
 
     @field_validator("suffix")
     @classmethod
@@ -301,7 +346,29 @@ class MessageToolCall(_Request):
     index: int | None = None
 
 
+def _message_schema(schema: dict) -> None:
+    """The document's form of a message, one per role: what the validators below accept."""
+    p = schema.pop("properties")
+    text = {"anyOf": [m for m in p["content"]["anyOf"] if m.get("type") != "null"]}
+    name = p["name"]
+
+    def role(roles, required=(), **props):
+        return {"type": "object", "additionalProperties": False, "required": ["role", *required],
+                "properties": {"role": {"enum": list(roles)}, "name": name, **props}}
+
+    turns = [role(("system", "developer", "user"), ["content"], content=text),
+             role(("tool",), ["content", "tool_call_id"], content=text, tool_call_id={"type": "string",
+                                                                                        "minLength": 1}),
+             {**role(("assistant",), content=p["content"], tool_calls=p["tool_calls"]),
+              "anyOf": [{"required": ["content"], "properties": {"content": text}},
+                        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}]
+    for key in ("type", "required", "additionalProperties"):
+        schema.pop(key, None)
+    schema["oneOf"] = turns
+
+
 class ChatMessage(_Request):
+    model_config = ConfigDict(json_schema_extra=lambda schema, _: _message_schema(schema))
     role: Annotated[str, WithJsonSchema({"enum": list(CHAT_ROLES)})]
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls, as the API returned them
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -370,6 +437,9 @@ def _template_call(call: MessageToolCall) -> dict:
     return {"type": "function", "id": call.id, "function": {"name": call.function.name, "arguments": arguments}}
 
 
+CONTINUE_RULE = _needs("continue_final_message", {"const": False}, "add_generation_prompt", {"const": False})
+
+
 class _ChatTemplateFields(_Request):
     """vLLM's chat-template extras: render without the assistant's opening, leave the last message
     open for the model to continue (a prefilled start of the reply; the response holds only what
@@ -434,18 +504,22 @@ ToolChoice = _str_or_object(Literal["none", "auto", "required"], NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        STREAM_OPTIONS_RULE, CONTINUE_RULE, _needs("top_logprobs", {"enum": [None, 0]}, "logprobs", {"const": True}),
+        _needs("tool_choice", {"enum": [None, "none"]}, "tools", {"type": "array", "minItems": 1})))
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = None  # None: up to the context window
-    max_completion_tokens: Int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: IntIn(1) | None = None  # None: up to the context window
+    max_completion_tokens: IntIn(1) | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: Annotated[Int | None, Field(ge=0)] = None  # at most the engine's max_logprobs
+    top_logprobs: IntIn(0) | None = None  # at most the engine's max_logprobs
     # Tool calling (server/tool_calls.py checks them against the server's flags).
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's deprecated forms of the same: accepted only at their no-op values.
-    functions: list[Any] | None = None
-    function_call: Any = None
+    functions: Annotated[list[Any] | None, WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0},
+                                                                     {"type": "null"}]})] = None
+    function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
 
     @field_validator("functions")
     @classmethod
@@ -480,12 +554,22 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
 # --------------------------------------------------------------------------- tokenize / detokenize (vLLM's shapes)
 
 
+def _tokenize_forms() -> dict:
+    """For the document: a prompt (and no chat-template field), or messages."""
+    template = {name: False for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")}
+    return {"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"},
+                                                              "messages": {"type": "null"}, **template}},
+                      {"required": ["messages"], "properties": {"prompt": {"type": "null"},
+                                                                "messages": {"type": "array", "minItems": 1}}}]}
+
+
 class TokenizeRequest(_ChatTemplateFields):
     """Either a completions `prompt` (a string) or chat `messages`, tokenized as the generation
     routes would: the chat template applied to messages (with the assistant's opening when
     add_generation_prompt, the template options as chat's), special tokens added to a plain prompt
     unless add_special_tokens is false."""
 
+    model_config = ConfigDict(json_schema_extra=_rules(_tokenize_forms(), CONTINUE_RULE))
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, validate_default=True)
@@ -511,7 +595,7 @@ class TokenizeRequest(_ChatTemplateFields):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[Int]
+    tokens: list[TokenId]
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -521,7 +605,7 @@ class EmbeddingRequest(_Request):
     model: str | None = None
     input: PromptField  # str | list[str] | list[int] | list[list[int]], as a completions prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None
+    dimensions: Annotated[Int | None, WithJsonSchema({"type": "null"})] = None
     user: str | None = None
     # Engine extra: how the final hidden states become one vector (both are L2-normalised).
     pooling: Literal["last", "mean"] = "last"

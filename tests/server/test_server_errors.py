@@ -180,7 +180,7 @@ CASES = [
      {"json": {"prompt": "a", "continue_final_message": True, "add_generation_prompt": False}}, 400, None, KEY),
     ("tokenize-without-key", "/tokenize", {"json": {"prompt": "a"}}, 401, None, {}),
     ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 10**6]}}, 400, "tokens", KEY),
-    ("detokenize-negative", "/detokenize", {"json": {"tokens": [-1]}}, 400, "tokens", KEY),
+    ("detokenize-negative", "/detokenize", {"json": {"tokens": [-1]}}, 400, "tokens[0]", KEY),
     ("wrong-method", "/v1/completions", {"method": "GET"}, 405, None, KEY),
     # Decimal digits that are not ASCII: str.isdecimal takes them, int() did not (a 400 naming "invalid").
     ("logit-bias-key-superscript", "/v1/completions", comp(logit_bias={"\u00b2": 1}), 400, "logit_bias", KEY),
