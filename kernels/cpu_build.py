@@ -1,11 +1,14 @@
 """Builds kernels/cpu_ops.cpp (load) and kernels/cpu_quant.cpp (load_quant) on first use (torch's
-JIT extension builder, needs a C++ compiler) and caches each library under torch's extension
-folder ($TORCH_EXTENSIONS_DIR to move it).
+JIT extension builder, needs a C++ compiler) and caches each library in a folder of this Python
+environment's own under torch's extension folder ($TORCH_EXTENSIONS_DIR to move it): another
+virtual environment on the machine builds against its own torch headers, and sharing one folder
+made each environment rebuild what the other had just built.
 
 The library's name carries a hash of its source, the compile flags and the torch version, so an
-edited kernel or an upgraded torch builds a fresh one instead of loading a stale binary. The
-first build takes about half a minute; later processes load it in milliseconds (concurrent ones
-wait on torch's build lock).
+edited kernel or an upgraded torch builds a fresh one instead of loading a stale binary. An engine
+on a CPU starts both builds at once (`start_building`), each compiler on its own core, while the
+model loads; later processes load the libraries in milliseconds (concurrent ones wait on torch's
+build lock).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -27,7 +32,7 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # the helper-pool wiring between the two libraries
 
 
 def _flags() -> list[str]:
@@ -39,6 +44,14 @@ def _flags() -> list[str]:
     return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}", *_ISA_FLAGS.get(isa, [])]
 
 
+def _build_root() -> Path:
+    """This environment's folder under torch's extension folder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return Path(root) / f"pagewise-{environment}"
+
+
 def _build(source_path: Path, prefix: str):
     import torch
     from torch.utils.cpp_extension import load_inline
@@ -46,9 +59,19 @@ def _build(source_path: Path, prefix: str):
     source = source_path.read_text()
     flags = _flags()
     digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:16]
-    logger.info("loading the CPU kernels of %s (built on first use, about half a minute)", source_path.name)
-    return load_inline(f"{prefix}_{digest}", cpp_sources=[source], extra_cflags=flags,
-                       extra_ldflags=["-fopenmp"], verbose=os.environ.get("PAGEWISE_VERBOSE_BUILD") == "1")
+    name = f"{prefix}_{digest}"
+    folder = _build_root() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    built = (folder / f"{name}.so").exists()
+    if not built:
+        logger.info("building the CPU kernels of %s for this environment (once; about a minute a file on 2 cores)",
+                    source_path.name)
+    start = time.perf_counter()
+    module = load_inline(name, cpp_sources=[source], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                         build_directory=str(folder), verbose=os.environ.get("PAGEWISE_VERBOSE_BUILD") == "1")
+    if not built:
+        logger.info("built the CPU kernels of %s in %.0f s", source_path.name, time.perf_counter() - start)
+    return module
 
 
 class _Library:
@@ -59,26 +82,45 @@ class _Library:
         self.source, self.prefix, self.what = source, prefix, what
         self.module = None
         self.error: Exception | None = None
+        self.lock = threading.Lock()  # one per library, so that the two build at once
 
     def load(self):
         if self.module is not None:  # every kernel call asks: no lock once built
             return self.module
-        with _lock:
+        with self.lock:
             if self.module is not None:
                 return self.module
             if self.error is not None:
                 raise RuntimeError(f"{self.what} could not be built: {self.error}") from self.error
             try:
-                self.module = _build(self.source, self.prefix)
+                module = _build(self.source, self.prefix)
             except Exception as e:  # a missing compiler, headers, or a failed build: all mean "no kernels"
                 self.error = e
                 raise RuntimeError(f"{self.what} could not be built: {e}") from e
-            _share_the_pool()
+            with _lock:
+                self.module = module
+                _share_the_pool()
             return self.module
 
 
 _OPS = _Library(SOURCE, "pagewise_cpu", "the CPU kernels")
 _QUANT = _Library(QUANT_SOURCE, "pagewise_cpu_quant", "the quantized CPU kernels")
+
+
+def start_building() -> None:
+    """Build (or load) both libraries in background threads now, each compiler on a core of its
+    own, so that an engine's first kernel call finds them ready or nearly so. A failed build is
+    reported by that first call, as without this."""
+    for library in (_OPS, _QUANT):
+        if library.module is None and library.error is None:
+            threading.Thread(target=_quietly, args=(library,), name=f"build-{library.prefix}", daemon=True).start()
+
+
+def _quietly(library: _Library) -> None:
+    try:
+        library.load()
+    except RuntimeError:
+        pass  # remembered in library.error; the first kernel call raises it
 
 
 def load():

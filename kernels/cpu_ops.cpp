@@ -19,7 +19,15 @@
 // saturated to +-448 when stored, e4m3 * scale when read, converted in the attention's inner loops
 // (no dequantized copy of the cache), with one float scale per tensor (k_scale, v_scale).
 
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: an engine's first start compiles
+// this file, and all of libtorch's C++ API is header parsing it does not need.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster
 #include <ATen/core/dispatch/Dispatcher.h>  // DecoderLayers: oneDNN's packed linear, called boxed
 #include <ATen/core/stack.h>
 #include <ATen/Parallel.h>
@@ -232,17 +240,17 @@ void rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum_out, int
   });
 }
 
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
                                     double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: x and weight must be contiguous");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
   int64_t dim = x.size(-1), rows = x.numel() / dim;
-  auto out = torch::empty_like(x);
-  torch::Tensor sum;
+  auto out = at::empty_like(x);
+  at::Tensor sum;
   if (residual.has_value()) {
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
                 residual->scalar_type() == x.scalar_type(), "rms_norm: residual must match x");
-    sum = torch::empty_like(x);
+    sum = at::empty_like(x);
   }
   PW_DISPATCH(x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
@@ -290,7 +298,7 @@ void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
   });
 }
 
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [tokens, heads, head_dim], head dims contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type(), "rotary_: cos/sin must be contiguous, in x's dtype");
@@ -305,10 +313,10 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // ---- SwiGLU ----------------------------------------------------------------------------------
 
 // x [tokens, 2 * inter] = [gate | up] -> silu(gate) * up, silu rounded to T before the product.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be contiguous [tokens, 2 * inter]");
   int64_t tokens = x.size(0), inter = x.size(1) / 2;
-  auto out = torch::empty({tokens, inter}, x.options());
+  auto out = at::empty({tokens, inter}, x.options());
   PW_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -377,8 +385,8 @@ inline bool narrow_cache(at::ScalarType activations, at::ScalarType cache) {
   return activations == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf);
 }
 
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping, double k_scale, double v_scale) {
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping, double k_scale, double v_scale) {
   // k_cache [kv_heads, num_blocks, head_dim, block_size], v_cache [kv_heads, num_blocks, block_size, head_dim]
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be the physical tensors");
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
@@ -676,8 +684,8 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
 
 // query/out [rows, heads, head_dim]; row r reads block_tables[row_seq[r]] up to lens[r] keys.
 // An fp8 (e4m3) cache is read as e4m3 * k_scale / v_scale; other caches have the query's dtype.
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor lens, double scale,
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor row_seq, at::Tensor lens, double scale,
                      double k_scale, double v_scale) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be the physical tensors");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
@@ -726,7 +734,7 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
 // logits [rows, vocab] float32; bitmask [rows, ceil(vocab / 32)] int32, bit j of word w set when
 // token 32 * w + j is allowed (xgrammar's layout). Forbidden tokens become -inf, in place. A word
 // of all ones (most of a JSON grammar's vocabulary, mid-string) is skipped at once.
-void apply_token_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
+void apply_token_bitmask_(at::Tensor logits, at::Tensor bitmask) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
               "apply_token_bitmask_: logits must be contiguous float32 [rows, vocab]");
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
@@ -831,8 +839,8 @@ int64_t argmax_row(const T* row, int64_t n) {
 // query row its sequence and its key count (its position + 1), from query_start_loc [seqs + 1] and
 // seq_lens [seqs] (any integer dtype). One call: the same as eight torch ops cost ~0.15 ms of a
 // decode step on a slow core.
-std::vector<torch::Tensor> plan_rows(torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                     torch::Tensor seq_lens) {
+std::vector<at::Tensor> plan_rows(at::Tensor block_tables, at::Tensor query_start_loc,
+                                     at::Tensor seq_lens) {
   const auto starts = query_start_loc.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
   const int64_t seqs = lens.numel();
   TORCH_CHECK(starts.numel() == seqs + 1, "plan_rows: query_start_loc must have one more entry than seq_lens");
@@ -840,7 +848,7 @@ std::vector<torch::Tensor> plan_rows(torch::Tensor block_tables, torch::Tensor q
   const int64_t* ln = lens.data_ptr<int64_t>();
   const int64_t rows = st[seqs];
   TORCH_CHECK(st[0] == 0, "plan_rows: query_start_loc must start at 0");
-  auto row_seq = torch::empty({rows}, starts.options()), row_lens = torch::empty({rows}, starts.options());
+  auto row_seq = at::empty({rows}, starts.options()), row_lens = at::empty({rows}, starts.options());
   int64_t* rs = row_seq.data_ptr<int64_t>();
   int64_t* rl = row_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < seqs; ++s) {
@@ -854,11 +862,11 @@ std::vector<torch::Tensor> plan_rows(torch::Tensor block_tables, torch::Tensor q
 }
 
 // logits [rows, vocab] -> int64 [rows].
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "argmax_rows: logits must be contiguous [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab > 0, "argmax_rows: an empty row has no maximum");
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   PW_DISPATCH(logits.scalar_type(), "argmax_rows", [&] {
     const scalar_t* l = logits.data_ptr<scalar_t>();
@@ -982,7 +990,7 @@ void pack_vnni_columns(const c10::BFloat16* w, int64_t K, int64_t n0, int64_t nt
 }
 
 // w13 [E, 2F, H], w2 [E, H, F] bf16 -> PackedExperts in the brgemm layout.
-PackedExperts pack_moe_brgemm(torch::Tensor w13, torch::Tensor w2) {
+PackedExperts pack_moe_brgemm(at::Tensor w13, at::Tensor w2) {
   TORCH_CHECK(moe_brgemm_available(), "pack_moe_brgemm: this CPU has no bf16 brgemm on packed weights (AMX)");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.size(2) == w2.size(1) &&
               w13.size(1) == 2 * w2.size(2), "pack_moe_brgemm: w13 must be [experts, 2 * ffn, hidden] and w2 [experts, hidden, ffn]");
@@ -991,7 +999,7 @@ PackedExperts pack_moe_brgemm(torch::Tensor w13, torch::Tensor w2) {
   TORCH_CHECK(hidden % 2 == 0 && ffn % 2 == 0, "pack_moe_brgemm: VNNI pairs need an even hidden size and ffn");
   const auto a13 = w13.contiguous(), a2 = w2.contiguous();
   const int64_t s13 = vnni13_expert_stride(hidden, ffn), s2 = vnni2_expert_stride(hidden, ffn);
-  auto p13 = torch::zeros({experts * s13}, w13.options()), p2 = torch::zeros({experts * s2}, w2.options());
+  auto p13 = at::zeros({experts * s13}, w13.options()), p2 = at::zeros({experts * s2}, w2.options());
   const auto* src13 = a13.data_ptr<c10::BFloat16>();
   const auto* src2 = a2.data_ptr<c10::BFloat16>();
   auto* dst13 = p13.data_ptr<c10::BFloat16>();
@@ -1101,7 +1109,7 @@ void combine_impl(T* out, const float* weights, const std::vector<const T*>& slo
 // x's rows into the expert-sorted buffer, zeros in the padding rows.
 at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& row_token) {
   const int64_t rows = row_token.size(), row_bytes = x.size(1) * x.element_size();
-  auto buf = torch::empty({rows, x.size(1)}, x.options());
+  auto buf = at::empty({rows, x.size(1)}, x.options());
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(buf.data_ptr());
   parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
@@ -1225,8 +1233,8 @@ void experts_brgemm(const PackedExperts& p, const ExpertSegments& seg, const c10
 }
 
 // w13 [E, 2F, H] / w2 [E, H, F] plain, or (when `packed` is given) ignored and possibly empty.
-torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
-                        torch::Tensor w2, int64_t expert_offset, const PackedExperts* packed) {
+at::Tensor fused_moe(at::Tensor x, at::Tensor topk_weights, at::Tensor topk_ids, at::Tensor w13,
+                        at::Tensor w2, int64_t expert_offset, const PackedExperts* packed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fused_moe: x must be contiguous [tokens, hidden]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
               topk_ids.size(0) == x.size(0), "fused_moe: topk_ids must be contiguous int64 [tokens, top_k]");
@@ -1246,7 +1254,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
                 "fused_moe: expert weights and x dtypes differ");
     experts = w13.size(0);
   }
-  auto out = torch::empty({tokens, hidden}, x.options());
+  auto out = at::empty({tokens, hidden}, x.options());
   if (tokens == 0) return out;
   const bool brgemm = packed != nullptr && packed->layout == "brgemm";
   const bool blocks = packed != nullptr && packed->layout == "blocks";  // no per-shape state: no padding
@@ -1258,8 +1266,8 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   at::Tensor y_rows;
   std::vector<at::Tensor> ys(experts);
   if (brgemm) {
-    auto h = torch::empty({rows, packed->ffn}, x.options());
-    y_rows = torch::empty({rows, hidden}, x.options());
+    auto h = at::empty({rows, packed->ffn}, x.options());
+    y_rows = at::empty({rows, hidden}, x.options());
     experts_brgemm(*packed, seg, xs.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(),
                    y_rows.data_ptr<c10::BFloat16>());
   } else {
@@ -1356,15 +1364,15 @@ at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w
 // weight list (270 tensors for the default model) converted from Python again on every call (~25 us
 // a step on the AVX2 machine). Bound again whenever the runner allocates new caches.
 struct DecoderLayers {
-  std::vector<torch::Tensor> weights;
+  std::vector<at::Tensor> weights;
   std::vector<int64_t> formats;
-  std::vector<torch::Tensor> caches;
+  std::vector<at::Tensor> caches;
   std::vector<double> kv_scales;
   int64_t num_heads, num_kv_heads;
   double eps, scale;
   Linears linear;
 
-  DecoderLayers(std::vector<torch::Tensor> weights_, std::vector<int64_t> formats_, std::vector<torch::Tensor> caches_,
+  DecoderLayers(std::vector<at::Tensor> weights_, std::vector<int64_t> formats_, std::vector<at::Tensor> caches_,
                 std::vector<double> kv_scales_, int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
                 int64_t linear_address, int64_t linear_q8_address, int64_t linear_q16_address, int64_t q8_rows,
                 int64_t q16_rows)
@@ -1381,21 +1389,21 @@ struct DecoderLayers {
 
   // (hidden, residual) after every layer, for a step's hidden states [tokens, hidden] (residual
   // None where the first layer starts the residual stream).
-  std::vector<torch::Tensor> forward(torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor cos,
-                                     torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                     torch::Tensor row_seq, torch::Tensor lens) const;
+  std::vector<at::Tensor> forward(at::Tensor hidden, c10::optional<at::Tensor> residual, at::Tensor cos,
+                                     at::Tensor sin, at::Tensor slot_mapping, at::Tensor block_tables,
+                                     at::Tensor row_seq, at::Tensor lens) const;
 };
 
-std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::optional<torch::Tensor> residual,
-                                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                                                  torch::Tensor block_tables, torch::Tensor row_seq,
-                                                  torch::Tensor lens) const {
+std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<at::Tensor> residual,
+                                                  at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                                                  at::Tensor block_tables, at::Tensor row_seq,
+                                                  at::Tensor lens) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecoderLayers: hidden must be contiguous [tokens, hidden]");
   const size_t layers = weights.size() / kLayerWeights;
   const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
-  torch::Tensor x, res = residual.has_value() ? *residual : torch::Tensor();
+  at::Tensor x, res = residual.has_value() ? *residual : at::Tensor();
   for (size_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = &weights[kLayerWeights * l];
+    const at::Tensor* w = &weights[kLayerWeights * l];
     const int64_t* f = &formats[4 * l];
     const double k_scale = kv_scales[2 * l], v_scale = kv_scales[2 * l + 1];
     if (!res.defined()) {  // the first layer of a stage that starts the residual stream
@@ -1418,7 +1426,7 @@ std::vector<torch::Tensor> DecoderLayers::forward(torch::Tensor hidden, c10::opt
     write_kv(qk.narrow(1, num_heads, num_kv_heads), v, caches[2 * l], caches[2 * l + 1], slot_mapping, k_scale,
              v_scale);
     auto q = qk.narrow(1, 0, num_heads);
-    auto o = torch::empty(q.sizes(), q.options());
+    auto o = at::empty(q.sizes(), q.options());
     paged_attention(o, q, caches[2 * l], caches[2 * l + 1], block_tables, row_seq, lens, scale, k_scale, v_scale);
     if (rows < tokens) o.narrow(0, rows, tokens - rows).zero_();
     const at::Tensor none;
@@ -1457,7 +1465,7 @@ int64_t set_thread_cpus(const std::vector<int64_t>& cpus, bool one_each) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderLayers>(m, "DecoderLayers")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                           std::vector<double>, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t,
                           int64_t>())
       .def("forward", &DecoderLayers::forward, "a decode step through every layer, the modules' ops in their order");

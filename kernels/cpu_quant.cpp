@@ -41,7 +41,14 @@
 // own weight rows, prefetched ahead in software, once per group of activation rows (8, or at most 4).
 // linear_dequant_gemm: dequantize + ATen's bf16 GEMM a slice of rows per task, for the pool's helpers.
 
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: an engine's first start compiles
+// this file, and all of libtorch's C++ API is header parsing it does not need.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>

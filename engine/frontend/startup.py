@@ -9,10 +9,13 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.executor.executor import make_executor
 from engine.loader import source_for
+from kernels import cpu_build
 
 
 def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = EngineCore) -> EngineCore:
     """`core_class`: EngineCore, or a subclass of it (tests inject failures that way)."""
+    if _uses_cpu_kernels(config):
+        cpu_build.start_building()  # the compilers run while the model loads
     source = source_for(config)
     executor = make_executor(config, source)
     try:
@@ -24,3 +27,10 @@ def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = Engin
         if stop is not None:
             stop()
         raise
+
+
+def _uses_cpu_kernels(config: EngineConfig) -> bool:
+    import torch
+
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    return on_cpu and config.attention_backend in ("auto", "cpu")
