@@ -132,6 +132,14 @@ class EngineConfig:
     max_num_batched_tokens: int = _knob(2048, "token budget of one engine step: prefill and decode tokens "
                                               "of one forward pass")
     enable_chunked_prefill: bool = _knob(True, "split a long prompt's prefill over several steps")
+    # On CPU a step lasts as long as its prompt tokens and the earlier tokens each one attends to,
+    # and an abort or a new request waits for the step under way: these keep a prefill step short.
+    cpu_max_prefill_tokens: int = _knob(256, "cpu, with chunked prefill: prompt tokens one step computes at most "
+                                             "(within --max-num-batched-tokens), so that a step, which an abort or "
+                                             "a new request waits for, stays well under a second")
+    cpu_max_prefill_attention: int = _knob(131072, "cpu, with chunked prefill: (prompt token, earlier token) pairs "
+                                                   "one step's prefill attends over at most, so that a chunk deep "
+                                                   "into a long prompt is smaller and its step as short")
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
                                            "auto picks by device")
@@ -174,14 +182,6 @@ class EngineConfig:
                                                    "503; none: unbounded")
     max_logprobs: int = _knob(20, "the largest logprobs / top_logprobs / prompt_logprobs a request may ask for")
     log_requests: bool = _knob(False, "log each request's prompt and output (off: they stay out of the logs)")
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        self._check_types()
-        check(-(1 << 63) <= self.seed < 1 << 64, "seed", "a 64-bit integer (what torch's generators take)")
     # Structured output: what a request's grammar may cost (engine/structured_output/).
     grammar_max_bytes: int = _knob(65536, "structured output: the largest JSON schema, regex, grammar or choice "
                                           "list (its JSON text, in bytes) a request may send; larger is a 400")
@@ -196,6 +196,14 @@ class EngineConfig:
     json_value_limits: bool = _knob(True, "structured output: JSON integers, numbers and strings that the schema "
                                           "leaves unbounded get bounds that let the output close (64-bit integers, "
                                           "doubles, strings of at most about max_tokens / 2 characters)")
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        self._check_types()
+        check(-(1 << 63) <= self.seed < 1 << 64, "seed", "a 64-bit integer (what torch's generators take)")
         self.dtype = canonical_dtype(self.dtype)
         self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
         check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
@@ -230,6 +238,8 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "None or >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        check(self.cpu_max_prefill_tokens >= 1, "cpu_max_prefill_tokens", ">= 1")
+        check(self.cpu_max_prefill_attention >= 1, "cpu_max_prefill_attention", ">= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "None or >= 1")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

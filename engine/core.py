@@ -83,11 +83,13 @@ class EngineCore:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
         self.scheduler = Scheduler(config, KVCacheManager(self.runner.num_blocks, config.block_size,
-                                                          config.enable_prefix_caching), self.max_model_len)
+                                                          config.enable_prefix_caching), self.max_model_len,
+                                   cpu=getattr(self.runner.device, "type", None) == "cpu")
         self.parents: dict[str, ParentRequest] = {}
         self._pending: list[CoreOutput] = []  # aborts, failures and stops, handed out by the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_requests_added = 0  # add_request calls, refused ones too: a front matches its sends to them
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%d bytes/token, %s, %s); max_model_len %d",
                     self.runner.num_blocks, config.block_size, capacity, self.runner.kv_bytes_per_token(),
                     self.runner.kv_dtype, self.runner.device, self.max_model_len)
@@ -96,6 +98,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        self.num_requests_added += 1
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -283,6 +286,7 @@ class EngineCore:
         kv = self.scheduler.kv
         return {
             "num_running": len(self.scheduler.running),
+            "num_running_seqs": self.scheduler.num_running_seqs,
             "num_waiting": self.scheduler.num_waiting,
             "num_waiting_seqs": self.scheduler.num_waiting_seqs,
             "kv_cache_usage": kv.usage,
@@ -296,4 +300,5 @@ class EngineCore:
             "num_scheduled_tokens": self.scheduler.num_scheduled_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "num_requests_added": self.num_requests_added,
         }

@@ -10,6 +10,7 @@ then only what changed; it tracks on each Request what the runner already holds.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from engine.config import EngineConfig
@@ -19,10 +20,14 @@ from engine.scheduler_output import CachedRequestData, NewRequestData, Scheduler
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, cpu: bool = False):
+        """`cpu`: the step runs on CPU, where its prefill is also held to config.cpu_max_prefill_*."""
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        limited = cpu and self.chunked_prefill
+        self.prefill_token_budget = config.cpu_max_prefill_tokens if limited else None
+        self.prefill_attention_budget = config.cpu_max_prefill_attention if limited else None
         self.max_model_len = max_model_len
         self.kv = kv
         # Finished (aborted) requests stay in the deque until they reach its head, so that an
@@ -74,6 +79,11 @@ class Scheduler:
         self.running += [c for c in self.forked if c.status == RequestStatus.RUNNING]
         self.scheduled, self.forked = [], []
 
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequence slots the running requests hold (an unforked parent in its prefill holds n)."""
+        return sum(self._seqs(r) for r in self.running)
+
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)
 
@@ -95,16 +105,33 @@ class Scheduler:
         while self.waiting and self.waiting[0].is_finished:
             self.waiting.popleft()  # already uncounted by finish()
 
+    def _prefill_limit(self, start: int, n: int) -> int:
+        """The tokens of a chunk of n, after `start` computed ones, that fit what is left of this
+        step's prefill budgets (at least one for the step's first chunk, so that prefill goes on)."""
+        if n == 1 or self.prefill_token_budget is None:
+            return n  # a decode, or no limit
+        tokens, pairs = self._prefill_left
+        first = tokens == self.prefill_token_budget
+        # The largest n with n*start + n*(n+1)/2 pairs within what is left (the quadratic formula).
+        b = 2 * start + 1
+        fit = (math.isqrt(b * b + 8 * pairs) - b) // 2 if pairs > 0 else 0
+        n = max(min(n, tokens, fit), 1 if first else 0)
+        self._prefill_left = (tokens - n, pairs - (n * start + n * (n + 1) // 2))
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.scheduled, self.step_streams, self.forked = [], {}, []
+        self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)
         budget = self.token_budget
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"running request {req.key} has no token to compute"
+            n = self._prefill_limit(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # this step's prefill budget is spent: its chunk waits for the next step
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -118,7 +145,7 @@ class Scheduler:
         if preempted:  # blocks are short: admit nothing new this step
             return self._finish_output(out)
         # An unforked parent in its prefill already holds the slots of its n choices.
-        running_seqs = sum(self._seqs(r) for r in self.running)
+        running_seqs = self.num_running_seqs
         while budget > 0:
             self._drop_finished_head()
             if not self.waiting:
@@ -131,8 +158,8 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size
             if not self.chunked_prefill and remaining > budget:
                 break
-            n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n, cached):
+            n = self._prefill_limit(req.num_computed_tokens + len(cached) * self.kv.block_size, min(remaining, budget))
+            if n == 0 or not self.kv.allocate_slots(req, n, cached):
                 break
             if req.status == RequestStatus.WAITING:
                 self.kv.record_prefix_lookup(req, cached)

@@ -1,5 +1,6 @@
 """Scheduler, unit by unit, on a real KVCacheManager: the token budget, decode first, chunked
-prefill, the sequence budget (n counts), preemption order, and aborts that cost O(1) each."""
+prefill, the CPU prefill budgets, the sequence budget (n counts), preemption order, and aborts
+(which cost O(1) each and end a prefill between its chunks)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from engine.scheduler import Scheduler
 BLOCK = 4
 
 
-def make(num_blocks=64, **config) -> Scheduler:
+def make(num_blocks=64, cpu=False, **config) -> Scheduler:
     cfg = EngineConfig(block_size=8, **config)  # block_size here is the config's; the manager's is BLOCK
-    return Scheduler(cfg, KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False), max_model_len=1024)
+    return Scheduler(cfg, KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False), max_model_len=1024,
+                     cpu=cpu)
 
 
 def req(rid: str, prompt_len: int, n: int = 1) -> Request:
@@ -54,6 +56,47 @@ def test_without_chunking_a_prompt_waits_for_a_budget_that_holds_it():
     s.add(req("b", 9))
     assert [r.request_id for r, _ in run(s)] == ["a"]
     assert [r.request_id for r, _ in run(s)] == ["a", "b"]
+
+
+def _pairs(start: int, n: int) -> int:
+    """(query, key) pairs of a causal chunk: its token at position p attends to p + 1 keys."""
+    return sum(p + 1 for p in range(start, start + n))
+
+
+def test_cpu_prefill_budgets_hold_every_step_and_decodes_go_on():
+    s = make(cpu=True, max_num_batched_tokens=64, cpu_max_prefill_tokens=10, cpu_max_prefill_attention=100)
+    a, b = req("a", 3), req("b", 60)
+    s.add(a)
+    run(s)  # a's prompt: 3 tokens, 6 pairs
+    s.add(b)
+    chunks = []
+    while b.num_computed_tokens < 60:
+        out = dict((r.request_id, n) for r, n in run(s))
+        assert out.get("a") == 1  # a decode is never held back by the prefill budgets
+        start = b.num_computed_tokens - out["b"]
+        chunks.append(out["b"])
+        # within both budgets, or the one token that keeps a prefill going where no token fits
+        assert out["b"] <= 10 and (_pairs(start, out["b"]) <= 100 or out["b"] == 1)
+        assert out["b"] == 1 or _pairs(start, out["b"] + 1) > 100 or out["b"] == 10  # the largest that fits
+    assert chunks[:3] == [10, 7, 5] and chunks[-1] == 1 and sum(chunks) == 60
+
+
+def test_prefill_budgets_apply_on_cpu_with_chunking_only():
+    for s in (make(max_num_batched_tokens=64, cpu_max_prefill_tokens=10),
+              make(cpu=True, enable_chunked_prefill=False, max_num_batched_tokens=64, cpu_max_prefill_tokens=10)):
+        s.add(req("b", 60))
+        assert [n for _, n in run(s)] == [60]
+
+
+def test_an_aborted_prefill_gets_no_more_chunks():
+    s = make(max_num_batched_tokens=8)
+    a, b = req("a", 30), req("b", 4)
+    s.add(a)
+    s.add(b)
+    assert [(r.request_id, n) for r, n in run(s)] == [("a", 8)]
+    s.finish(a)  # the client went away between two chunks
+    assert [(r.request_id, n) for r, n in run(s)] == [("b", 4)]
+    assert a.num_computed_tokens == 8 and a not in s.running and s.kv.num_free_blocks == 64 - 1  # b's one block
 
 
 def test_sequence_budget_counts_every_choice():
