@@ -120,8 +120,8 @@ class HTTPProtocol(H11Protocol):
             return
         if self._waiting == HEAD and not self._bytes:
             self.transport.close()  # idle: closed silently, as a keep-alive connection is
-        elif self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
-            self.transport.close()  # answering already (early): nothing else to say
+        elif self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # answered (early, e.g. a 413) before the body was in: nothing more to say
         else:
             part = "headers" if self._waiting == HEAD else "body"
             limit = self.timeouts.header if self._waiting == HEAD else self.timeouts.body
