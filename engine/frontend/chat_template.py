@@ -121,8 +121,9 @@ class SpecialsAsText:
                 ids += tokenizer(restored(piece), add_special_tokens=False, split_special_tokens=True).input_ids
         if add_special_tokens:  # the BOS (and EOS) the tokenizer adds around any text
             around, bare = (tokenizer("a", add_special_tokens=flag).input_ids for flag in (True, False))
-            at = next(k for k in range(len(around) - len(bare) + 1) if around[k:k + len(bare)] == bare)
-            ids = around[:at] + ids + around[at + len(bare):]
+            at = next((k for k in range(len(around) - len(bare) + 1) if around[k:k + len(bare)] == bare), None)
+            if at is not None:  # (None: the tokenizer changes the text it wraps; then it wraps nothing here)
+                ids = around[:at] + ids + around[at + len(bare):]
         return restored(text), ids
 
 
