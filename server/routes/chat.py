@@ -18,7 +18,8 @@ from server.protocol import ChatCompletionRequest
 from server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                               FunctionCall, ToolCallOut, UsageInfo)
-from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
+from server.routes.common import (check_request, engine_errors, error_event_body, new_id, read_request,
+                                  sampling_errors)
 from server.sse import DONE, event, sse_response
 from server.state import ServerState
 from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
@@ -45,7 +46,7 @@ async def create_chat_completion(request: Request):
                 raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output itself: drop "
                                  f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
             params = dataclasses.replace(params, structured_outputs=plan.grammar)
-        state.engine.check_request(prompt.token_ids, params)
+        await check_request(state, prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
     stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import re
 import uuid
@@ -9,6 +11,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from engine import structured_output
 from engine.frontend.async_engine import (EngineDeadError, EngineOverloadedError, RequestFailedError,
                                           RequestInvalidError)
 from server.errors import APIError, bad_request, error_body, validation_error
@@ -17,6 +20,9 @@ from server.state import ServerState, get_state
 B = TypeVar("B", bound=BaseModel)
 
 RETRY_AFTER_S = "1"
+# Requests with a grammar are checked here, each waiting up to grammar_compile_timeout_s for its
+# compile; a few at a time, so that they never take the threads the server tokenizes with.
+_GRAMMAR_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pagewise-grammar-check")
 _FIELD = re.compile(r"^([a-z_]+)\b")
 UNSATISFIABLE = "unsatisfiable_request"  # the code of a request whose parameters left no token partway
 
@@ -37,6 +43,24 @@ async def read_request(request, model: type[B]) -> tuple[ServerState, B]:
     body = parse_body(model, await request.body())
     state.check_model(body.model)
     return state, body
+
+
+async def check_request(state: ServerState, prompt_token_ids: list[int], params) -> None:
+    """The engine's admission checks (a ValueError naming the field). A request with a grammar is
+    checked off the event loop: its bounds, then the engine's checks, then its compile, which the
+    request waits for here so that it enters the engine with its grammar ready."""
+    if params.structured_outputs is None:
+        state.engine.check_request(prompt_token_ids, params)
+        return
+    await asyncio.get_running_loop().run_in_executor(_GRAMMAR_CHECKS, _check_with_grammar, state,
+                                                     prompt_token_ids, params)
+
+
+def _check_with_grammar(state: ServerState, prompt_token_ids: list[int], params) -> None:
+    spec = params.structured_outputs
+    structured_output.check_bounds(spec, state.engine.config)
+    state.engine.check_request(prompt_token_ids, params)
+    structured_output.wait_compiled(spec, params.max_tokens)
 
 
 def new_id(prefix: str) -> str:

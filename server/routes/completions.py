@@ -13,7 +13,8 @@ from server.openapi import route_docs
 from server.prompts import Prompt, prompt_items, resolve_max_tokens
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionResponse, UsageInfo
-from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
+from server.routes.common import (check_request, engine_errors, error_event_body, new_id, read_request,
+                                  sampling_errors)
 from server.sse import DONE, event, sse_response
 from server.state import ServerState
 from server.streams import ClientDisconnected, last_outputs, merge, primed_all, unless_disconnected
@@ -31,7 +32,7 @@ async def create_completion(request: Request):
         max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len)
         with engine_errors(), sampling_errors(renames={"structured_outputs": body.grammar_field}):
             params.append(body.to_sampling_params(max_tokens))
-            state.engine.check_request(p.token_ids, params[-1])
+            await check_request(state, p.token_ids, params[-1])
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
