@@ -10,12 +10,14 @@ import re
 import resource
 import select
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
-from tests.server.server_harness import TINY_SERVER_ARGS, ServerProcess
+from tests.server.server_harness import TINY_SERVER_ARGS, ServerProcess, clean_env
 
 FILE_LIMIT = 1024
 READ_TIMEOUT_S = 0.5  # every read timeout of the strict server
@@ -209,3 +211,11 @@ def test_read_timeouts_never_cut_a_stream(strict):
     assert lasted > 2 * READ_TIMEOUT_S, "the stream must outlive the read timeouts to prove anything"
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     _serves_within(strict)
+
+
+def test_a_connection_limit_the_file_limit_cannot_hold_is_a_startup_error():
+    done = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", "--limit-connections", "2000"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=_file_limit, env=clean_env())
+    assert done.returncode == 2
+    assert "--limit-connections 2000 does not fit the open-files limit of 1024" in done.stderr
+    assert "Traceback" not in done.stderr
