@@ -82,7 +82,7 @@ class ConnectionTable:
     def __init__(self, limit: int):
         self.limit = limit
         self.open = 0  # accepted and not yet closed: each holds a descriptor
-        self.closing = 0  # closed by us to make room, descriptor not yet released
+        self.closing = 0  # closed by us to make room, descriptor not yet freed
         self.idle: OrderedDict[object, None] = OrderedDict()
         self.log = LogLimiter()
         self._on_room: list = []  # resume callbacks of listeners paused at the ceiling
