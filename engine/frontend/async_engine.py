@@ -114,11 +114,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._streams: dict[str, _RequestStream] = {}  # event-loop side only
-        # Admission bookkeeping shared with the engine thread (under _lock): requests admitted
-        # but not yet handed to the core, and the core's stats as of the last change.
+        # Admission bookkeeping shared with the engine thread (under _lock): the core's stats as of
+        # its last refresh, and the requests admitted since, which those stats do not show yet.
         self._lock = threading.Lock()
-        self._num_pending = 0
+        self._pending = _Pending()
         self._core_stats: dict = {}
+        self._handed: list[_Admission] = []  # engine thread only: handed to the core since the last refresh
         self._counters = {"num_requests_admitted": 0, "num_requests_rejected": 0, "num_requests_aborted": 0,
                           "num_requests_failed": 0}
         self._shutdown_task: asyncio.Future | None = None
@@ -199,8 +200,8 @@ class AsyncEngine:
         ValueError when the core rejects the request, EngineDeadError when the loop died.
         Closing the iterator early aborts the request and frees its blocks.
         """
-        stream = self._admit(request_id, prompt_token_ids, prompt, sampling_params.n)
-        self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt))
+        stream, admission = self._admit(request_id, prompt_token_ids, prompt, sampling_params.n)
+        self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt, admission))
         self._wake.set()
         if self.config.log_requests:
             logger.info("request %s: prompt=%r token_ids=%s params=%s", request_id, prompt,
@@ -241,34 +242,45 @@ class AsyncEngine:
             check(prompt_token_ids, sampling_params)
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
-               num_seqs: int) -> _RequestStream:
+               num_seqs: int) -> tuple[_RequestStream, _Admission]:
         if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1
             raise EngineShuttingDownError("server is shutting down")
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        admission = _Admission(num_seqs, -(-(len(prompt_token_ids) + 1) // self.config.block_size))
         with self._lock:
-            if self._queue_full_locked(num_seqs):
+            admission.starts = self._starts_now_locked(admission)
+            limit = self.config.max_waiting_requests
+            if not admission.starts and limit is not None and self._num_waiting_locked() + num_seqs > limit:
                 self._counters["num_requests_rejected"] += 1
                 raise EngineOverloadedError(
-                    f"too many waiting sequences (max_waiting_requests={self.config.max_waiting_requests}, "
-                    "each of a request's n choices counts)")
-            self._num_pending += num_seqs
+                    f"too many waiting sequences (max_waiting_requests={limit}, each of a request's n choices "
+                    "counts, and a request waits while the sequences, tokens or KV cache blocks it needs are taken)")
+            self._pending.add(admission, +1)
         self._counters["num_requests_admitted"] += 1
         stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt, num_seqs)
-        return stream
+        return stream, admission
 
-    def _queue_full_locked(self, num_seqs: int) -> bool:
-        limit = self.config.max_waiting_requests
-        if limit is None:
-            return False
-        # A sequence "waits" when it cannot get a slot now: count the core's waiting sequences
-        # plus those not yet handed over and this request's, minus the slots still free.
+    def _num_waiting_locked(self) -> int:
+        """Sequences that cannot run now: the core's waiting ones (queued behind the sequence
+        budget, the KV cache, the token budget, or preempted) and those admitted since its stats
+        that found no room."""
         s = self._core_stats
-        free_slots = max(0, self.config.max_num_seqs - s.get("num_running", 0))
-        waiting = s.get("num_waiting_seqs", s.get("num_waiting", 0))
-        return waiting + self._num_pending + num_seqs - free_slots > limit
+        return s.get("num_waiting_seqs", s.get("num_waiting", 0)) + self._pending.waiting_seqs
+
+    def _starts_now_locked(self, admission: _Admission) -> bool:
+        """Whether this request finds room at once: nothing waits ahead of it (first come, first
+        served), and the sequence slots and the KV blocks its prompt needs are free, net of those
+        that requests admitted since the core's stats will take."""
+        s = self._core_stats
+        if self._num_waiting_locked() > 0:
+            return False
+        slots = self.config.max_num_seqs * self.config.data_parallel_size
+        free_slots = slots - s.get("num_running_seqs", s.get("num_running", 0)) - self._pending.starting_seqs
+        free_blocks = (s.get("num_total_blocks", 0) - s.get("num_used_blocks", 0) - self._pending.starting_blocks)
+        return admission.num_seqs <= free_slots and admission.num_blocks <= free_blocks
 
     @property
     def max_admissible_seqs(self) -> int | None:
@@ -281,7 +293,7 @@ class AsyncEngine:
         """The core's stats as of its last change, plus this engine's own counters."""
         with self._lock:
             stats = dict(self._core_stats)
-            pending = self._num_pending
+            pending = self._pending.seqs
         stats["num_waiting"] = stats.get("num_waiting", 0) + pending  # not-yet-handed-over sequences wait too
         stats["num_pending"] = pending
         stats.update(self._counters)
@@ -296,8 +308,7 @@ class AsyncEngine:
             self.model_name = core.model_name
             self.max_model_len = core.max_model_len
             self.tokenizer = _private_copy(core.tokenizer)
-            with self._lock:
-                self._core_stats = core.stats()
+            self._refresh(core)
         except BaseException as e:  # a failed start is reported to start()'s caller
             self._dead = e
             self._post(lambda e=e: ready.done() or ready.set_exception(e))  # bind e: `except` unbinds it
@@ -315,8 +326,7 @@ class AsyncEngine:
                     outputs, stops = processor.process(core.step())
                     for stop in stops:  # ended by a stop string: free its blocks before the next step
                         core.finish_choice(stop.request_id, stop.index, stop.stop)
-                    with self._lock:
-                        self._core_stats = core.stats()
+                    self._refresh(core)
                     if outputs:
                         self._post(lambda outs=outputs: self._deliver(outs))
                 elif not self._wake.wait(IDLE_HEALTH_CHECK_S if watch is not None else None) and watch is not None:
@@ -329,14 +339,22 @@ class AsyncEngine:
         finally:  # a parallel core's worker or replica processes end with the loop, however it ended
             getattr(core, "shutdown", lambda: None)()
 
+    def _refresh(self, core) -> None:
+        """Take the core's stats; the requests handed to it before now are in them."""
+        with self._lock:
+            self._core_stats = core.stats()
+            for admission in self._handed:
+                self._pending.add(admission, -1)
+        self._handed = []
+
     def _apply_commands(self, core, processor: OutputProcessor) -> None:
         rejected = []
-        changed = False
+        aborted = False
         while self._commands:
             command = self._commands.popleft()
-            changed = True
             if command[0] == "add":
-                _, request_id, prompt_token_ids, params, prompt = command
+                _, request_id, prompt_token_ids, params, prompt, admission = command
+                self._handed.append(admission)  # counted as pending until the stats after a step show it
                 try:
                     core.add_request(request_id, prompt_token_ids, params)
                     processor.add_request(request_id, prompt, prompt_token_ids, params, delta=True)
@@ -345,16 +363,15 @@ class AsyncEngine:
                 except Exception as e:  # a bug for this one request: report it, keep serving the rest
                     logger.exception("add_request failed for request %s", request_id)
                     rejected.append((request_id, RuntimeError(f"internal error: {type(e).__name__}")))
-                finally:
-                    with self._lock:
-                        self._num_pending -= params.n
             else:
+                aborted = True
                 core.abort_request(command[1])
                 for request_id in command[1]:
                     processor.abort(request_id)
-        if changed:
-            with self._lock:
-                self._core_stats = core.stats()
+        # Refreshed now only when aborts freed room (or nothing will step): the stats taken before a
+        # step's schedule would show every request just added as waiting, even one about to start.
+        if aborted or rejected or not core.has_unfinished_requests():
+            self._refresh(core)
         if rejected:
             self._post(lambda: [self._fail(rid, e) for rid, e in rejected])
 
@@ -392,6 +409,31 @@ class AsyncEngine:
                 callback(cause)
             except Exception:
                 logger.exception("engine death callback failed")
+
+
+class _Admission:
+    """What admission knew of one request: its sequences, the KV blocks its prompt needs, and
+    whether it found room to start at once."""
+
+    __slots__ = ("num_seqs", "num_blocks", "starts")
+
+    def __init__(self, num_seqs: int, num_blocks: int):
+        self.num_seqs, self.num_blocks, self.starts = num_seqs, num_blocks, False
+
+
+class _Pending:
+    """Sums over the requests admitted since the core's stats were taken (under AsyncEngine._lock)."""
+
+    def __init__(self):
+        self.seqs = self.waiting_seqs = self.starting_seqs = self.starting_blocks = 0
+
+    def add(self, admission: _Admission, sign: int) -> None:
+        self.seqs += sign * admission.num_seqs
+        if admission.starts:
+            self.starting_seqs += sign * admission.num_seqs
+            self.starting_blocks += sign * admission.num_blocks
+        else:
+            self.waiting_seqs += sign * admission.num_seqs
 
 
 def _default_core_factory(config: EngineConfig):

@@ -13,6 +13,7 @@ WorkerDiedError that names it: the server then answers 503 on /health and fails 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import multiprocessing
@@ -66,6 +67,10 @@ class DataParallelCore:
         self.replica_stats = [r[2] for r in ready]
         self.router = Router(n, config.block_size)
         self.owner: dict[str, int] = {}  # unfinished request -> its replica
+        # Per replica, the adds sent that its stats do not show yet: (its count of adds once it has
+        # this one, the request's sequences). They wait, as far as admission can tell.
+        self.num_sent = [0] * n
+        self.in_transit: list[collections.deque[tuple[int, int]]] = [collections.deque() for _ in range(n)]
         logger.info("data parallel: %d replicas of %d rank(s) each", n, layout.world_size)
 
     def _wait_ready(self, i: int) -> tuple:
@@ -89,6 +94,8 @@ class DataParallelCore:
         self.check_health()
         replica = self.router.choose(ids)
         self.owner[request_id] = replica
+        self.num_sent[replica] += 1
+        self.in_transit[replica].append((self.num_sent[replica], sampling_params.n))
         self._send(replica, ("add", request_id, ids, sampling_params, arrival_time))
 
     def finish_choice(self, request_id: str, index: int, stop: str) -> None:
@@ -135,6 +142,9 @@ class DataParallelCore:
                    self.replica_stats[i])
         _, outputs, stats = msg
         self.replica_stats[i] = stats
+        transit = self.in_transit[i]
+        while transit and transit[0][0] <= stats.get("num_requests_added", 0):
+            transit.popleft()
         for out in outputs:
             if out.request_finished and self.owner.pop(out.request_id, None) is not None:
                 self.router.finished(i)
@@ -176,6 +186,9 @@ class DataParallelCore:
         total = {k: sum(s.get(k, 0) for s in self.replica_stats) for k in keys - _RATIOS.keys()}
         for key, (part, whole) in _RATIOS.items():
             total[key] = total.get(part, 0) / total[whole] if total.get(whole) else 0.0
+        for transit in self.in_transit:  # sent, not yet in a replica's stats: waiting
+            total["num_waiting"] = total.get("num_waiting", 0) + len(transit)
+            total["num_waiting_seqs"] = total.get("num_waiting_seqs", 0) + sum(n for _, n in transit)
         total["num_prefix_affinity_routes"] = self.router.affinity_hits
         total["replicas"] = replicas
         return total
