@@ -303,19 +303,22 @@ def test_integral_floats_and_tiny_temperatures_are_served(server, auth):
 
 
 def test_a_dead_end_mid_stream_is_an_error_event_naming_the_field(server, client):
-    """The grammar's first tokens stream out; where it allows nothing more, the stream ends with an
-    OpenAI-shaped error event (the official client raises it) that names structured_outputs."""
+    """The grammar's first tokens stream out; where it and allowed_token_ids together allow nothing
+    more, the stream ends with an OpenAI-shaped error event (the official client raises it) naming
+    the field. (A grammar that dead-ends on its own is refused before it runs.)"""
     model = client.models.list().data[0].id
-    grammar = 'root ::= "ab" rest\nrest ::= rest'
+    ab = httpx.post(server.url + "/tokenize", headers=KEY, json={"prompt": "ab", "add_special_tokens": False},
+                    timeout=30).json()["tokens"]
     stream = client.completions.create(model=model, prompt="hello", max_tokens=8, temperature=0, stream=True,
-                                       extra_body={"structured_outputs": {"grammar": grammar}})
+                                       extra_body={"structured_outputs": {"grammar": 'root ::= "ab" "xyz"'},
+                                                   "allowed_token_ids": ab})
     text = ""
     with pytest.raises(openai.APIError) as caught:
         for chunk in stream:
             text += "".join(c.text for c in chunk.choices)
     assert text == "ab"
-    assert caught.value.body["type"] == "invalid_request_error" and caught.value.body["param"] == "structured_outputs"
-    assert "after" in caught.value.message and "allows no token" in caught.value.message
+    assert caught.value.body["type"] == "invalid_request_error" and caught.value.body["param"] == "allowed_token_ids"
+    assert f"after {len(ab)} output tokens" in caught.value.message and "leave no token" in caught.value.message
 
 
 def test_still_serving_after_bad_input(server, client):
