@@ -7,6 +7,7 @@ import argparse
 import json
 import shlex
 from dataclasses import asdict
+from pathlib import Path
 
 from engine.planning.argtypes import positive_float, positive_int
 from engine.planning.hardware import GPUS
@@ -15,6 +16,9 @@ from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY
 from engine.planning.units import GiB, dtype_bytes
 from engine.planning.weight_formats import ENGINE_FORMATS
+
+# A preset names a shape, not weights on this machine: its command reads the model's folder from $MODEL.
+MODEL_VARIABLE = "$MODEL"
 
 
 def lengths(text: str) -> tuple[int, ...]:
@@ -114,7 +118,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
                         weight_format=args.weights)
     except SloError as e:
         args.parser.error(f"argument --{e.setting.replace('_', '-')}: {e.message}")
-    command = ["engine", "serve", "--model", str(args.model), "--dtype", dtype,
+    weights = _weights_path(args.model)
+    command = ["engine", "serve", "--model", MODEL_VARIABLE if weights is None else str(weights), "--dtype", dtype,
                "--max-num-seqs", str(plan.max_num_seqs), "--max-model-len", str(load.longest)]
     if args.weights is not None and args.weights.name in engine_quantizations():
         command += ["--quantization", args.weights.name] + ["--quantize-lm-head"] * args.weights.lm_head
@@ -125,7 +130,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
     command += (["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None
                 else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)])
     p = plan.prediction
-    payload = {"model": spec.name, "device": asdict(dev), **asdict(plan), "command": shlex.join(command)}
+    line = shlex.join(command).replace(shlex.quote(MODEL_VARIABLE), '"$MODEL"')
+    payload = {"model": spec.name, "device": asdict(dev), **asdict(plan), "command": line}
     table = "\n".join([
         f"{spec.name} on {dev.name}: {args.request_rate:g} requests/s of {load.prompt:g} prompt / {load.output:g} "
         f"output tokens; targets TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms",
@@ -137,7 +143,18 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         f"KV budget       {plan.kv_budget_bytes / GiB:,.2f} GiB per GPU = {plan.kv_capacity_tokens:,} tokens",
         f"predicted       TTFT {p.ttft * 1e3:,.1f} ms, TPOT {p.tpot * 1e3:,.2f} ms, {p.throughput:,.1f} output tok/s",
         "",
-        shlex.join(command),
+        *([f"# MODEL: the folder of {spec.name}'s config.json and safetensors, or its .gguf file"]
+          if weights is None else []),
+        line,
     ])
     print(json.dumps(payload, indent=2) if args.json else table)
     return 0
+
+
+def _weights_path(model: str) -> Path | None:
+    """What `engine serve --model` takes for the plan's --model: its folder for a config.json or a
+    folder, None for a preset (no weights here to point at)."""
+    path = Path(model)
+    if not path.exists():
+        return None
+    return path.parent if path.is_file() and path.name == "config.json" else path
