@@ -83,3 +83,11 @@ class GrammarStore:
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def cached_keys(self) -> list[tuple]:
+        with self._lock:
+            return list(self._cache)

@@ -63,3 +63,31 @@ SCHEMAS = [
     obj({"result": {"anyOf": [obj({"ok": {"const": True}}), obj({"error": S})]}}),
 ]
 assert len(SCHEMAS) == 40
+
+# Twenty schemas that bound none of their integers, numbers or strings (what a newcomer writes):
+# the server's closing bounds must end each output within 200 tokens.
+STR, INT, NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+UNBOUNDED = [
+    {"type": "object", "properties": {"city": STR, "population_millions": INT},
+     "required": ["city", "population_millions"]},
+    obj({"name": STR, "age": INT}),
+    obj({"title": STR, "year": INT, "rating": NUM}),
+    obj({"id": INT}),
+    obj({"count": INT, "label": STR}),
+    obj({"product": STR, "price": NUM, "stock": INT}),
+    obj({"country": STR, "capital": STR}),
+    obj({"x": INT, "y": INT, "z": INT}),
+    obj({"first_name": STR, "last_name": STR, "email": STR}),
+    obj({"temperature": NUM, "unit": STR}),
+    obj({"book": obj({"title": STR, "pages": INT})}),
+    obj({"tags": {"type": "array", "items": STR, "maxItems": 3}}),
+    obj({"answer": STR}),
+    obj({"score": INT, "comment": STR}),
+    obj({"latitude": NUM, "longitude": NUM}),
+    obj({"user": obj({"username": STR, "followers": INT})}),
+    obj({"min": INT, "max": INT}),
+    obj({"language": STR, "speakers_millions": NUM}),
+    obj({"animal": STR, "legs": INT, "can_fly": {"type": "boolean"}}),
+    obj({"summary": STR, "words": {"type": "integer", "minimum": 0}}),
+]
+assert len(UNBOUNDED) == 20

@@ -132,23 +132,27 @@ def test_a_grammar_that_has_ended_ends_the_output(llm):
 
 
 def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
-    """allowed_token_ids the grammar never allows, or only the end token allowed under min_tokens:
-    the request ends with an error naming the fields (invalid_request: its client's to change, an
-    HTTP 400), not token 0 sampled from a row of -inf; its neighbours get what they get alone, and
-    no KV block stays taken."""
+    """allowed_token_ids the grammar never allows, a grammar that dead-ends after its first tokens, or
+    only the end token allowed under min_tokens: the request ends with an error naming the fields
+    (invalid_request: its client's to change, an HTTP 400), not token 0 sampled from a row of -inf;
+    its neighbours get what they get alone, and no KV block stays taken."""
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(["Say something."] * 2, [plain, seeded], use_tqdm=False)]
     eos = llm.engine.eos_token_ids[0]
+    dead_end = GrammarSpec.of("grammar", 'root ::= "ab" [^\\0-\\U0010ffff]')  # nothing can follow "ab"
     cases = [(SamplingParams(max_tokens=8, allowed_token_ids=[5, 6], structured_outputs=GrammarSpec.of(
                  "choice", ["yes", "no"])),
               "^allowed_token_ids: after 0 output tokens, allowed_token_ids and structured_outputs together"),
+             (SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=dead_end),  # greedy; the others sample
+              r"^structured_outputs: after \d+ output tokens the grammar allows no token"),
              (SamplingParams(max_tokens=8, min_tokens=2, allowed_token_ids=[eos]),
               "^allowed_token_ids: after 0 output tokens, allowed_token_ids and min_tokens together")]
     outs = llm.generate(["Say something."] * (len(cases) + 2), [p for p, _ in cases] + [plain, seeded],
                         use_tqdm=False)
     for out, (_, message) in zip(outs, cases):
         assert out.invalid_request and re.match(message, out.error), out.error
+    assert outs[1].outputs[0].text == "ab"  # what the grammar allowed streamed out first
     # the neighbours, sampled again without the failed rows: a seeded one draws what it draws alone
     assert [o.error for o in outs[-2:]] == [None, None] and [o.outputs[0].token_ids for o in outs[-2:]] == alone
     assert llm.engine.stats()["num_used_blocks"] == 0
@@ -160,3 +164,34 @@ def test_parameters_that_leave_no_token_fail_that_request_alone(llm):
 def test_spec_shapes_are_checked(kind, value, message):
     with pytest.raises(ValueError, match=message):
         GrammarSpec.of(kind, value)
+
+
+def test_a_compile_past_its_time_bound_is_refused_as_too_complex():
+    """The store waits at most compile_timeout_s for a compile, then refuses the request as the
+    client's error (a 400), and drops a compile not yet started."""
+    import xgrammar
+
+    from engine.sampling_params import UnsatisfiableRequestError
+    from engine.structured_output import GrammarStore
+
+    info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<end>"], stop_token_ids=[256])
+    store = GrammarStore(info, cache_bytes=1 << 20, compile_timeout_s=0.001, json_value_limits=True)
+    schema = {"enum": [f"value-{i}" for i in range(20_000)]}
+    with pytest.raises(UnsatisfiableRequestError, match="^structured_outputs: the json did not compile within"):
+        store.compiled(GrammarSpec.of("json", schema), max_tokens=16)
+
+
+def test_the_compiled_grammars_are_bounded_in_memory():
+    """Distinct schemas past the cache's bytes evict the least recently used ones."""
+    import xgrammar
+
+    from engine.structured_output import GrammarStore
+
+    info = xgrammar.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<end>"], stop_token_ids=[256])
+    store = GrammarStore(info, cache_bytes=200_000, compile_timeout_s=10, json_value_limits=True)
+    first = GrammarSpec.of("json", {"enum": [f"a{i}" for i in range(300)]})
+    store.compiled(first, 16)
+    for n in range(40):
+        store.compiled(GrammarSpec.of("json", {"enum": [f"b{n}-{i}" for i in range(300)]}), 16)
+    assert 1 <= store.num_cached < 41 and store.cached_bytes <= 200_000
+    assert store.key(first, 16) not in store.cached_keys()
