@@ -33,13 +33,16 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
               allowed_origins: list[str] | None = None, protect_metrics: bool = False,
-              exit_on_engine_death: bool = False, tools: ToolConfig | None = None) -> FastAPI:
+              exit_on_engine_death: bool = False, tools: ToolConfig | None = None,
+              parse_special_tokens_in_messages: bool = False) -> FastAPI:
     """`engine` is an AsyncEngine (or anything with its interface); it is started by the app's
     lifespan, so the model loads before the first request is accepted.
 
     allowed_origins: browser origins allowed to call the API (CORS); None keeps CORS closed.
     protect_metrics: /metrics needs the API key too (by default Prometheus scrapes it openly).
     tools: --enable-auto-tool-choice and --tool-call-parser (server/tool_calls.py).
+    parse_special_tokens_in_messages: special-token text from the client is read as control tokens in
+    chat prompts (server/prompts.py), as transformers and vLLM do; by default it is plain text.
     exit_on_engine_death: when the engine loop dies (a failed forward, a dead worker), stop the
     server process (SIGTERM to itself) so that a supervisor restarts it; /health says why meanwhile."""
 
@@ -47,7 +50,7 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
     async def lifespan(app: FastAPI):
         await engine.start()
         name = served_model_name or engine.model_name
-        prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
+        prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, parse_special_tokens_in_messages)
         app.state.pagewise = ServerState(engine=engine, served_model_name=name,
                                          metrics=ServerMetrics(engine, name),
                                          token_texts=TokenTexts(engine.tokenizer), prompts=prompts,

@@ -86,6 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
                         "</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
+    g.add_argument("--parse-special-tokens-in-messages", action="store_true",
+                   help="special-token text in chat messages, tool calls and tool definitions becomes control "
+                        "tokens (transformers' and vLLM's behaviour); by default it is plain text, so a message "
+                        "cannot forge a turn")
     add_engine_args(parser)  # every EngineConfig field, generated from the dataclass
     parser.set_defaults(func=serve)
     return parser
@@ -206,7 +210,8 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
-                    exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
+                    exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+                    parse_special_tokens_in_messages=args.parse_special_tokens_in_messages)
     uv_config = uvicorn.Config(app, http=HTTPProtocol, ws="none", log_level=args.uvicorn_log_level or log_level.lower(),
                                timeout_keep_alive=args.timeout_keep_alive,
                                # uvicorn's own backstop, after our drain has aborted what was left
