@@ -9,11 +9,9 @@ a test run beside a server):
 - How long idle threads spin: torch's OpenMP runtime (libgomp) lets a thread that reaches the end
   of a parallel region spin before it sleeps, 300,000 iterations by default. On a quiet machine
   that saves a wake-up; on a shared one the spinning thread burns the CPU time the thread it waits
-  for needs. Measured here (BENCHMARKS.md, "Threads on shared CPUs"; default model, bf16,
-  64 x 128/128): two engines side by side on 2 CPUs fell from ~1,000 to 92 output tok/s each with
-  the default spin, ran at ~340 each with 10,000 spins and at ~550 with none
-  (OMP_WAIT_POLICY=PASSIVE); but sleeping at once cost a quiet machine 28% (965 -> 695), and 10,000
-  spins cost it nothing measurable (967 vs 942-1,010). So the engine bounds the spin to
+  for needs: with the default spin two engines side by side on 2 CPUs fell to a tenth of their
+  rate, while sleeping at once costs a quiet machine over a quarter and 10,000 spins cost it
+  nothing measurable (BENCHMARKS.md, "Threads on shared CPUs"). So the engine bounds the spin to
   GOMP_SPINCOUNT=10000, unless the user set a wait policy or a spin count. libgomp reads these once,
   when torch loads it, so this must run before torch is imported: `import engine` does it; a
   program that imported torch first keeps torch's default (logged once, with what to do).
@@ -29,18 +27,15 @@ a test run beside a server):
   only the ones they leave free process more tokens per second, and keeps all only when clearly
   better (neither wins everywhere: LoadFollower says when each did).
 - Where those threads run: while the others keep every CPU busy, a step on all of them binds a
-  thread to each CPU. Unbound, two threads beside two busy loops at times ran a third as fast,
-  for seconds, as the scheduler placed them (LoadFollower._use has the numbers). BENCHMARKS.md
-  (session 8, "Threads on shared CPUs", and sessions 18 and 19) has the measurements.
+  thread to each CPU, because unbound threads at times ran a third as fast for seconds as the
+  scheduler placed them (BENCHMARKS.md, "Threads on shared CPUs").
 - Helpers instead of a bound team, where the engine's C++ kernels do the matmuls (a GGUF or
   int8/int4 model, or bf16 weights widened in them): while the others keep every CPU busy, torch
   runs on one thread and the kernels' loops on it plus helpers for the other CPUs, which their
   caller never waits for (cpu_build.set_helpers): a helper the scheduler has not run takes no
-  chunk, where an OpenMP team's join waits for its slowest thread. Beside one busy loop per CPU
-  that never fell below one thread and kept 0.4x and more of the quiet rate, with no probe (the
-  probe's own steps on the wrong count were its cost); on a quiet machine it ran within noise of
-  the team (BENCHMARKS.md, sessions 20 and 21). While they leave a CPU free, the helpers are what
-  the probe weighs against the free CPUs alone.
+  chunk, where an OpenMP team's join waits for its slowest thread. No probe is needed there, since
+  the probe's own steps on the wrong count were its cost (BENCHMARKS.md, "Threads on shared CPUs").
+  While they leave a CPU free, the helpers are what the probe weighs against the free CPUs alone.
 
 Neither the spin nor the following is an EngineConfig knob: the thread count is (`num_threads`: a
 number fixes it, the default follows the load within the usable CPUs), and the spin is OpenMP's own
@@ -210,12 +205,10 @@ class LoadFollower:
     CPUs' torch threads plus those helpers (see before_step). Contended, which is better, `cpus`
     threads or `free` (what the others leave, at least 1; when every sample of the window saw them
     leave none, the `cpus` threads run bound, one to each CPU: _use), depends on the work, the CPU
-    and the others. Nor is the count the others take an exact measure: a server beside its benchmark
-    client read ~1 CPU taken most of the time while the client's own threads were runnable 1-11% of
-    it (serving on the free CPU alone lost a third of the output rate, session 19). So the follower
-    measures, for prefill steps (any prompt chunk) and decode steps apart: under one busy loop per
-    CPU, bf16 on an AVX-512 CPU ran prefill 1.3x faster on 2 threads and decode even or faster on
-    1, and a choice made on prefill steps held the decode ones on 2 (session 18). For `probe_s`
+    and the others. Nor is the count the others take an exact measure: a benchmark client that is
+    runnable a small part of the time reads as a CPU taken most of it. So the follower measures, and
+    for prefill steps (any prompt chunk) and decode steps apart, because the two can prefer
+    different counts and a choice made on one held the other on the wrong one. For `probe_s`
     seconds a kind's steps alternate between the candidates; each two neighbouring steps whose token
     counts are ALIKE (a 2,048-token prompt chunk and its 16-token tail are not, nor a lone warm-up
     row and 16 decode rows: such pairs decided whole runs before, at 3x the wrong way) give a ratio
@@ -224,11 +217,9 @@ class LoadFollower:
     ones, and probes again after a hold of `hold_s` seconds, doubled (up to MAX_HOLDS times) each
     time a probe confirms the last choice, or when the candidates change.
 
-    Why the free ones in a tie: threads that time-share a CPU with another process are the gamble.
-    One thread beside two busy loops ran at its fair share (2/3 of a CPU) run after run, while two
-    swing with the others' time slices, even bound (bf16, AVX-512, 64 x 128/128: one thread 297-342
-    tok/s, two bound 280-371); between two engines one thread each kept 20-24% more (float32, AVX2,
-    session 8). A sample costs ~0.2 ms (a /proc read per thread of this process): at 5 a second,
+    Why the free ones in a tie: threads that time-share a CPU with another process are the gamble;
+    one thread keeps its fair share run after run, while two swing with the others' time slices,
+    even bound. A sample costs ~0.2 ms (a /proc read per thread of this process): at 5 a second,
     0.1% of a CPU."""
 
     def __init__(self, cpus: int, *, online: int | None = None, interval_s: float = 0.2, window: int = 5,
@@ -283,12 +274,9 @@ class LoadFollower:
 
     def _use(self, threads: int) -> None:
         # While the others keep every CPU busy, a step on every CPU of the mask binds a thread to
-        # each: unbound, two threads beside two busy loops at times ran a third as fast as bound,
-        # for seconds (the scheduler's placement holds: bf16 matmuls, 10-12 steps/s in one run of
-        # five, 23-25 bound in all five; the engine, 180 or 390 tok/s unbound, 349-371 bound).
-        # Not while they leave a CPU idle: there, bound threads beat one thread at the cost of the
-        # one that other process runs (two engines side by side: the one that bound its threads
-        # ran 1.4x, the other fell to half, 290 tok/s each against 445 unbound, session 19).
+        # each, because unbound the scheduler's placement can hold two threads to a third of the
+        # speed for seconds. Not while they leave a CPU idle: there, binding wins only at the cost
+        # of the other process (of two engines side by side, the one that bound starved the other).
         # One thread stays unbound: moving between CPUs is how it gets its fair share.
         bind = threads > 1 and self.crowded and threads == len(self.affinity)
         if self.bound and not bind:

@@ -57,10 +57,9 @@ def resolve_dtype(name: str, device: torch.device, stored: torch.dtype | str | N
     bfloat16 when the checkpoint is stored in 16 bits or fewer (`stored`, its config's dtype: a
     bf16/fp16 folder, a quantized GGUF) and the CPU multiplies bf16 natively, else float32. So a
     float32 checkpoint keeps float32 (transformers' own "auto" keeps the stored dtype too), a CPU
-    without native bf16 keeps float32 (its bf16 GEMM measured 3-8x slower), and where it has it the
-    16-bit checkpoints take the faster path (on a Zen 5, oneDNN's bf16 GEMM ran 2x its float32 one,
-    the default model's 64 x 128/128 1.6x and `bench serve` at c=32 1.25x, while its perplexity moved
-    +0.15% / -0.05%: BENCHMARKS.md, sessions 17 and 18); vLLM's CPU backend likewise runs fp16
+    without native bf16 keeps float32 (its bf16 GEMM is several times slower), and where it has it
+    the 16-bit checkpoints take the faster path, since a native bf16 GEMM runs about twice the
+    float32 one at no perplexity cost (BENCHMARKS.md, "Weight formats: quality"); vLLM's CPU backend likewise runs fp16
     checkpoints as bf16."""
     if name != "auto":
         return _DTYPES[name]

@@ -68,7 +68,7 @@ def make_timer(device: torch.device, cuda_graphs: bool = True):
     """fn -> median milliseconds per call. On CUDA, with cuda_graphs, fn is captured in a CUDA graph
     and replayed (triton.testing.do_bench_cudagraph): the time is the kernels' alone. A plain
     do_bench times from the host's launch, which for a ~30 us kernel behind a Python wrapper is
-    mostly the launch (session 12: batch 16 x 2,048 read as 29% of copy bandwidth, 1 x 512 as 79 us)."""
+    mostly the launch, so it would understate a fast kernel several times over."""
     if device.type == "cuda":
         import triton.testing
 

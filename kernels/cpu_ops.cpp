@@ -433,11 +433,10 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 // Ask for a block's cache lines before they are needed: the blocks of a sequence are scattered
 // over the cache, so the hardware prefetcher cannot guess the next one, and a decode step streams
 // every layer's keys and values from memory (measured: 2x slower without, 30 layers' caches).
-// Blocks ahead: one block's work is shorter than a memory round trip. 2 rather than 4 (each block's
-// lines asked for at once, a key block and a value block a step): 1.00-1.16x as fast on 30 layers'
-// cold bfloat16 caches at 128-1,800 keys (the most at long contexts), 0.99-1.13x on float32 ones; 1
-// ran 0.93-0.97x as fast as 4 (benchmarks/quant/attention_ab.py, BENCHMARKS.md session 23). Likely,
-// more lines asked for at once than the core can have in flight stall it.
+// Blocks ahead: one block's work is shorter than a memory round trip. 2 rather than 4 or 1 (each
+// block's lines asked for at once, a key block and a value block a step), because 2 ran fastest on
+// cold caches (benchmarks/quant/attention_ab.py): likely, more lines asked for at once than the core
+// can have in flight stall it.
 constexpr int64_t kAhead = 2;
 
 inline void prefetch(const void* p, int64_t bytes) {

@@ -106,10 +106,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def padded_num_tokens(n: int) -> int:
     """The rows to run a step of n tokens as: n up to 16, above that n rounded up to one of eight
     sizes per power of two (at most 1/8 more rows; 88 sizes up to 8,192). oneDNN keeps state for
-    every matmul shape it has run, outside its bounded plan cache: measured, one 576 x 1536 bf16
-    weight grew RSS by 0.23 MiB per new row count (792 MiB over 3,500 counts) and by nothing
-    once the counts came from a fixed set. A server's steps come in every token count, so
-    unpadded it grew for as long as it served (BENCHMARKS.md, "Memory over a 10-minute soak").
+    every matmul shape it has run, outside its bounded plan cache: RSS grows with every new row
+    count, and by nothing once the counts come from a fixed set. A server's steps come in every
+    token count, so unpadded it grew for as long as it served.
     Padding the step once, at its input, costs less than padding each matmul (a copy each)."""
     if n <= 16:
         return n

@@ -76,9 +76,9 @@ namespace {
 // The caller and `helpers` threads of its own take a loop's chunks from a shared counter, and the
 // caller waits only for chunks a helper has taken and not finished, never for a helper to arrive:
 // beside busy loops a helper the scheduler has not run takes no chunk and holds nothing up, where an
-// OpenMP team's barrier waits for every thread (benchmarks/threads/optional_helper.cpp: beside one
-// busy loop per CPU, 1.30-1.62x of one thread where the team of 2 fell to 0.6x; BENCHMARKS.md,
-// session 20). helpers == 0 (the default): at::parallel_for, exactly as before.
+// OpenMP team's barrier waits for every thread, so beside busy loops the pool beats one thread where
+// a team falls below it (benchmarks/threads/optional_helper.cpp; BENCHMARKS.md, "Threads on shared
+// CPUs"). helpers == 0 (the default): at::parallel_for, exactly as before.
 class HelperPool {
  public:
   static constexpr int kCallerSpins = 2000;  // ~40 us of _mm_pause before a caller sleeps
@@ -124,9 +124,7 @@ class HelperPool {
     job->work();
     // A helper's chunk still running: spin a moment, then sleep till its last chunk wakes us. A
     // helper descheduled mid-chunk (by another process) is waited for either way; sleeping leaves
-    // this CPU to it or to that process instead of spinning it away. (Two engines side by side:
-    // 402-448 tok/s each in 4 runs against 414-415 in one run spinning; beside busy loops alike
-    // within noise: BENCHMARKS.md, session 21.)
+    // this CPU to it or to that process instead of spinning it away, at no measurable cost.
     for (int spin = 0; job->done.load(std::memory_order_seq_cst) < job->chunks; ++spin) {
       if (spin < kCallerSpins) {
 #if defined(__x86_64__)
@@ -353,27 +351,23 @@ inline __m256i q4_bytes(const uint8_t* qs) {
 
 // How far ahead of the block being multiplied its weight row is prefetched into L1, by format
 // (measured on the 2-core AVX-512 machine: 1-3 KB all ~2x faster than none with cold weights; see
-// benchmarks/quant/README.md). BF16 rows stream the fastest and do best nearer: on the AVX2 machine
-// the default model's 120 layer matrices at one row ran 1.08-1.18x faster 1 KB ahead than 2 KB
-// ahead (and its LM head ~1.1x), where Q4_1 ran 0.95x and Q8_0 0.99x, so those stay at 2 KB
-// (BENCHMARKS.md, "Session 16").
+// benchmarks/quant/README.md). BF16 rows stream the fastest and do best nearer (1 KB ahead); the
+// block formats lose a little there, so those stay at 2 KB.
 constexpr int64_t kPrefetchBytes[kNumFormats] = {2048, 2048, 2048, 2048, 2048, 1024};
 
 // The software prefetches of a decode matmul's weights are non-temporal: a step reads each weight
 // once, and asked for with T0 those lines (270 MB a step for the default model in bf16) pushed
 // everything else out of L2 and L3 on their way through: the KV cache, the activations, the norms'
-// weights, the interpreter's own state. Whole bf16 batch-1 decode steps ran 1.068x as fast with NTA
-// (median of 12 rounds, every one faster: 1.03-1.08x) after a 256-token prompt, 1.024x after 128
-// (a noisier run); Q4_1 steps 0.996-1.028x (medians of three runs: within noise); the one-row
-// matmuls alone 1.02-1.03x, at 4-16 rows 0.99-1.04x (BENCHMARKS.md, session 23).
+// weights, the interpreter's own state. With NTA whole bf16 batch-1 decode steps run a few percent
+// faster and the block formats within noise.
 constexpr auto kWeightHint = _MM_HINT_NTA;
 
 // The software prefetch of a decode row (one or two activation rows), as the hardware prefetchers
 // alone left a decode matmul at 40% of the bytes per second: every cache line of the bytes
 // kPrefetchBytes[F] past block wb, a fixed count per block (one for blocks of up to 64 bytes; lines
 // already asked for are asked again, at one load slot each). Asking only for each new line as the
-// stream reached it took a branch per block that 20-byte blocks mispredict: that way Q4_1 at one
-// row ran 1.08x slower, cold and warm (BENCHMARKS.md, "Session 14").
+// stream reached it took a branch per block that 20-byte blocks mispredict, which made Q4_1 at one
+// row slower.
 template <int64_t F>
 inline void prefetch_ahead(const uint8_t* wb) {
   for (int64_t o = 0; o < kBlockBytes[F]; o += 64) {
@@ -699,8 +693,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const float* x, int64_t K, fl
 
 // Activation rows go through dot_rows in groups: of 8 while 8 remain, then of at most 4. One pass
 // over the weights serves a group, so 8 rows decode each block once where two groups of 4 decode
-// it twice (measured on the AVX2 machine, the default model's 210 Q4_1 matrices, cold, 2 threads:
-// 8 rows 1.09x faster, 16 rows as two groups of 8 1.10x; BENCHMARKS.md, "Session 10").
+// it twice, which made 8 and 16 rows about a tenth faster on the AVX2 machine.
 constexpr int64_t kWideGroup = 8;
 
 template <int64_t F, typename Out>
@@ -1136,13 +1129,12 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 // register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations an instruction, in float32
 // (a bf16 product is exact in float32; the pairs' sums round as FMAs do, denormals flushed to zero),
 // where linear_f32 widens both to float32 first. The matmul oneDNN would run instead, on its packed
-// copy, costs ~12 us a call beyond reading the weight: at the default model's layer shapes this kernel
-// ran 1.0-2.0x its speed at one row, 1.0-1.8x at 2-8, 0.9-1.5x at 16, where oneDNN's GEMM on the
-// matrix as stored ran 0.6-0.8x (cold weights; the 49152 x 576 LM head: 1.06-1.13x at one row,
-// 0.85-1.0x at 2-8, 0.78x at 16; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22). Past 16
-// rows its sums across vectors cost too much (0.63-0.75x at 64 rows): linear_bf16_outer below takes
-// those. Each weight row's next group is prefetched a step ahead (without: 0.58x at 4 rows on the
-// 3072 x 576 shape; a prefetch past the matrix's end does not fault).
+// copy, costs ~12 us a call beyond reading the weight, so at up to 16 rows of the default model's
+// layer shapes this kernel runs at least its speed, where oneDNN's GEMM on the matrix as stored runs
+// slower (benchmarks/quant/bf16_rows.py). Past 16 rows its sums across vectors cost too much:
+// linear_bf16_outer below takes those. Each weight row's next group is prefetched a step ahead, as
+// without it the hardware prefetchers leave the rows waiting (a prefetch past the matrix's end does
+// not fault).
 #if defined(CPU_CAPABILITY_AVX512)
 
 #pragma GCC push_options
@@ -1235,9 +1227,9 @@ inline void transpose_pairs(const uint16_t* w, int64_t K, int64_t k, __m512i out
   __m512i r[16], t[16];
   for (int j = 0; j < 16; ++j) {
     r[j] = _mm512_loadu_si512(w + j * K + k);
-    // The next block's rows (32 on) at the same inputs, non-temporal as the decode matmuls' (no
-    // prefetch before: the hardware's alone). Whole bf16 decode steps of 32 / 64 rows 1.09x / 1.05x
-    // (BENCHMARKS.md, session 23); past the matrix's end a prefetch does not fault.
+    // The next block's rows (32 on) at the same inputs, non-temporal as the decode matmuls', since
+    // the hardware's prefetchers alone left batched bf16 decode steps slower; past the matrix's end
+    // a prefetch does not fault.
     _mm_prefetch(reinterpret_cast<const char*>(w + (j + 32) * K + k), kWeightHint);
   }
   for (int i = 0; i < 8; ++i) {
@@ -1512,10 +1504,9 @@ void tile_gemm(const float* tile, int64_t rows, const float* x, int64_t M, int64
 
 #if defined(CPU_CAPABILITY_AVX2)
 // On AVX2 the tile's GEMM is a register-blocked micro-kernel of our own instead of sgemm: sgemm
-// pays its packing and dispatch on every 64-row tile, and the micro-kernel ran the default model's
-// Q4_1 matrices 1.08-1.45x faster at 16-256 activation rows (same process, 1 and 2 threads;
-// BENCHMARKS.md, "Session 10"). Above TILED_GEMM_ROWS one large MKL GEMM on the dequantized weight
-// is still faster (136 against 117 GFLOP/s at 2,048 rows), so that path stays.
+// pays its packing and dispatch on every 64-row tile, which the micro-kernel does not, so it runs
+// the default model's Q4_1 matrices faster at 16-256 activation rows. Above TILED_GEMM_ROWS one
+// large MKL GEMM on the dequantized weight is still faster, so that path stays.
 // The activations are packed once per call, transposed in slabs of kSlab rows ([K][kSlab] each,
 // zero-padded), so the kernel's inner loop reads one slab row (two vectors) and broadcasts one
 // weight from each of kMicroRows tile rows: 2 x kMicroRows FMAs per k into 2 x kMicroRows

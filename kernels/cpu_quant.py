@@ -26,12 +26,10 @@ Where the caller asks for quantized activations (EngineConfig.cpu_gguf_activatio
 file's 32-weight formats), up to ACTIVATION_ROWS of the register kernel's rows take integer dot
 products instead:
   "int16"  linear_q16: each 32-block of a row scaled to int16 (amax / 32767), vpmaddwd against the
-           weights widened to int16 (AVX2 builds): on the AVX2 machine at one row 1.0-1.13x
-           linear_f32 on Q4_1 weights, 1.06-1.38x on Q8_0, ~1.06x over a whole decode step, and a
-           relative error ~2e-5 (int8's ~5e-3; the default model's perplexity unchanged);
-  "int8"   linear_q8: llama.cpp's scheme (amax / 127, vpmaddubsw or AVX-512 VNNI), 1.06-1.35x on
-           Q4_1, ~1.11x a step, nothing on Q8_0; the default model's perplexity moves 0.5-1%
-           (BENCHMARKS.md, "Session 11").
+           weights widened to int16 (AVX2 builds): a little faster than linear_f32 on the AVX2
+           machine at a relative error ~2e-5 (int8's ~5e-3), so perplexity does not move;
+  "int8"   linear_q8: llama.cpp's scheme (amax / 127, vpmaddubsw or AVX-512 VNNI), faster still on
+           Q4_1 (nothing on Q8_0), at a perplexity cost under 1% on the default model.
 Each row is quantized on its own, so a row's output does not depend on how many rows share the call.
 """
 
@@ -83,9 +81,8 @@ LARGE_REGISTER_ROWS = 8
 GEMM_SLICE_BYTES = 8 << 20
 # BF16 weights under bf16 rows past the register kernel, up to this many rows (batched decode), a layer's
 # matrix (under TILED_GEMM_WEIGHTS) takes linear_bf16_outer, prompts and LM heads oneDNN's GEMM on the
-# matrix as stored: at 32-64 rows the first ran 0.83-1.34x oneDNN's packed call on the default model's
-# layer shapes, the second 0.78-0.85x (the head 0.70-0.76x against 0.74-0.80x; at 256 rows they are
-# even; benchmarks/quant/bf16_rows.py, BENCHMARKS.md session 22).
+# matrix as stored, because at 32-64 rows of the default model's layer shapes the first keeps pace
+# with oneDNN's packed call without its copy of the weights (benchmarks/quant/bf16_rows.py).
 BF16_OUTER_ROWS = 64
 
 

@@ -232,8 +232,8 @@ ARGMAX_CHUNK = 1024  # columns of a row the first pass of chunked_argmax reduces
 def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
     """argmax's answer in two passes: each 1024-column chunk's first maximum, then the first chunk
     holding the row's maximum. On a GPU torch reduces a row in one thread block, so a lone row of a
-    128K vocabulary is one block's serial work: 31 us on an H200, 2.5% of a Llama-3.2-1B-shaped
-    decode step at batch 1 (BENCHMARKS.md, session 12). Padding reads as -inf, which never beats a
+    128K vocabulary is one block's serial work, a few percent of a batch-1 decode step of a
+    Llama-3.2-1B shape. Padding reads as -inf, which never beats a
     real column (an all -inf row still answers 0) and never shadows a NaN."""
     rows, vocab = logits.shape
     if vocab < 4 * ARGMAX_CHUNK:

@@ -13,9 +13,9 @@ PREFILL_MIN_AVG_QUERY = 8
 # Each split must read at least this many keys: K+V of 128 keys is 64 KiB per KV head (d=128,
 # 16-bit; 32 KiB at d=64), while its partial result costs group * (d + 1) * 4 bytes (about 4 KiB for
 # group 8, 1 KiB for a 1B model's group 4 at d=64), so the extra traffic of splitting stays a few
-# percent of the context read. 128 rather than 256: a batch-1 decode step of a Llama-3.2-1B shape at
-# context 1,024 (8 splits, not 4) took 1.212 ms against 1.235 (bf16) and 1.017 against 1.102 (int4
-# weights) on an H200 (BENCHMARKS.md, session 20): there each split's keys are one 128-key tile.
+# percent of the context read. 128 rather than 256, because twice the splits made a batch-1 decode
+# step of a 1B shape at context 1,024 faster on an H200, each split's keys one 128-key tile
+# (BENCHMARKS.md, "GPU").
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
 # Programs in flight per SM that a memory-bound decode needs to keep enough loads outstanding.
@@ -55,8 +55,8 @@ def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int, k
         # batch lands here too when decodes dominate: its prefill chunks then take more, smaller
         # programs, which re-read their context from L2 rather than from HBM. Where shared memory
         # holds three stages of 128 keys (an H100/H200 with a 16-bit or fp8 cache), that longer
-        # tile: an H200 sweep measured 85-92% of copy bandwidth with it at batch 16-64 x context
-        # 2k-8k against 67-79% with 64 keys (BENCHMARKS.md, session 12).
+        # tile, since it keeps more loads in flight and reads well above the 64-key tile's share of
+        # copy bandwidth (BENCHMARKS.md, "GPU").
         if smem_bytes is not None and decode_smem_bytes(min_m, 128, head_dim_pad, kv_bytes, 3) <= smem_bytes:
             block_n = 128
         return TileConfig(min_m, block_n, 4, 3)

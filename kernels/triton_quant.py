@@ -204,9 +204,9 @@ def tiles(num_tokens: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A decode batch is a weight-streaming
     GEMV: the fewest rows tl.dot takes (16), narrow column tiles for more programs, long K steps;
     a prefill a GEMM with 64-row tiles. BLOCK_K is whole scale groups. (A CUDA-core GEMV for one
-    row, reading each weight row of these blocks as 16-bit words, lost to this tile inside a
-    batch-1 step on an H200: 1.44 ms against 1.24 ms over a 1B model's 64 matmuls; BENCHMARKS.md,
-    session 12. On the repacked layout of triton_quant_packed.py a one-row kernel wins.)"""
+    row on this layout loses to the 16-row tile inside a batch-1 step, because it reads each weight
+    row of these blocks as 16-bit words; on the repacked layout of triton_quant_packed.py a one-row
+    kernel wins.)"""
     if num_tokens <= 16:
         return 16, 32, max(128, group), 4, 3
     if num_tokens <= 64:

@@ -28,11 +28,10 @@ When K is split, both write float32 partials: `gemv`'s last split of a column ti
 them (an arrival count a tile, split_counts), `dot`'s are summed by triton_quant.sum_splits_kernel.
 Nothing is read back from the GPU: a step calling them can be captured in a CUDA graph.
 
-Measured (BENCHMARKS.md, sessions 13 and 20): the one-row kernel streams a 16384 x 2048 int4
-weight at 1.34 TB/s on an H100, 1.60 TB/s on an H200 (the GGUF-block kernel 0.55; cuBLAS reads
-the bf16 matrix at 3.5 TB/s), and a batch-1 decode step of a Llama-3.2-1B shape runs 1.14-1.26x
-the bf16 step's tokens/s with int4 weights (0.62x on the blocks). No tile or split target of the
-sweeps moved the big shapes much; by a count of ~40 instructions a 32-bit word of codes, issue
+The one-row kernel streams an int4 weight well below the bandwidth at which cuBLAS reads the bf16
+matrix, yet fast enough that a batch-1 decode step runs faster with int4 weights than with bf16,
+where the GGUF-block layout ran slower (BENCHMARKS.md, "GPU"). No tile or split target moved the
+big shapes much; by a count of ~40 instructions a 32-bit word of codes, instruction throughput
 rather than memory is the likely bound (an estimate: not profiled with Nsight Compute yet).
 """
 
@@ -51,7 +50,7 @@ FORMATS = {"Q8_0": (8, 128.0), "Q4_0": (4, 8.0), "Q4_1": (4, None)}
 GROUP_SIZE = 32  # weights a scale covers (a GGUF block)
 GROUP = tl.constexpr(GROUP_SIZE)  # the same, for the kernels (a plain global would not compile)
 # Split K until this many programs per SM run. 2, with GEMV_TILE below: the best of the tile x split
-# target sweeps for a 1B model's four one-row matmuls (an H100 in session 13, an H200 in session 20).
+# target sweeps for a 1B model's four one-row matmuls on an H100 and an H200.
 PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 32
 
@@ -183,11 +182,10 @@ def gemv_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count
     one reduction over the word rows at the end.
 
     The next step's words and scales are loaded before this step's arithmetic, so a program keeps
-    two steps' bytes in flight (with GEMV_TILE, a 1B layer's four shapes took 34.6 us on an H200,
-    40.4 us loading each step in the step that uses it). EVEN (the columns fill whole tiles and
-    every split whole steps): no masks, whose predicates and selects cost instructions in a kernel
-    that issue, not memory, likely bounds; the last step's look-ahead reads that step's rows again
-    (cache hits) rather than past its split.
+    two steps' bytes in flight, which hides a load's latency behind the arithmetic. EVEN (the
+    columns fill whole tiles and every split whole steps): no masks, whose predicates and selects
+    cost instructions in a kernel that instruction throughput, not memory, likely bounds; the last
+    step's look-ahead reads that step's rows again (cache hits) rather than past its split.
 
     PARTIAL (K split over axis 1): each program writes its float32 partial at part_ptr + split *
     stride_split, then counts itself in at count_ptr[column tile]; the last of the tile's splits to
@@ -310,10 +308,9 @@ class LaunchPlan:
 GEMV_MAX_ROWS = 1  # rows the CUDA-core kernel takes; more go to tensor cores
 # The CUDA-core kernel's tile: (BLOCK_N, word rows a step, num_warps, num_stages); in word rows so
 # that a thread holds as many words (16) in either format: a step is 512 weights of K at 4 bits,
-# 256 at 8. Narrow column tiles and long K steps: the best of 32 tiles x split targets in two H200
-# sweeps, 34.6-36.1 us for the four matmuls of a 1B layer at one row, against 56 us for the
-# tensor-core kernel's 16-row tile (BENCHMARKS.md, session 20). Session 13's H100 choice, 64 columns
-# x 256 weights x 8 warps without loading ahead, took 41.9 us there.
+# 256 at 8. Narrow column tiles and long K steps, because they were the best of 32 tiles x split
+# targets in H200 sweeps of a 1B layer's four one-row matmuls, well ahead of the tensor-core
+# kernel's 16-row tile (python benchmarks/gpu/packed_bench.py --sweep).
 GEMV_TILE = (32, 64, 4, 2)
 
 

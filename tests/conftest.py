@@ -1,4 +1,4 @@
-"""Shared pytest fixtures. The tiny model is built once per session (a few seconds)."""
+"""Shared pytest fixtures. The tiny model is built once per test run (a few seconds)."""
 
 from __future__ import annotations
 

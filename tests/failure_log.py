@@ -1,6 +1,6 @@
 """pytest plugin (`-p tests.failure_log --failure-log PATH`): each failing test's report is appended
 to PATH as the test ends. pytest prints tracebacks only in its final summary, so a run killed at a
-time limit (gpu_check's test stage on a leased GPU) would otherwise say which tests failed but not
+time limit (gpu_check's test stage under its time budget) would otherwise say which tests failed but not
 why. Under pytest-xdist the controller writes (workers forward their reports to it)."""
 
 from __future__ import annotations

@@ -285,7 +285,7 @@ def test_chat_template_text_or_file(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    # A probe of session 24: each was a traceback, or (the first) negative TPOTs and exit 1 with no message.
+    # Each must name what to change, where a traceback (or, the first, negative TPOTs) would otherwise come out.
     (["bench", "latency", "--batch-size", "1", "--input-len", "510", "--output-len", "8", "--num-iters", "1",
       "--num-iters-warmup", "0", "--max-model-len", "512"], ["--input-len / --output-len", "max_model_len (512)"]),
     (["bench", "latency", "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--output-json", "."],

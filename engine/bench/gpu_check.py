@@ -18,7 +18,7 @@ and the next stage still runs):
 
 Run it from a checkout (it runs the repository's tests). Needs torch, triton, transformers,
 safetensors, numpy (matplotlib for the PNGs); no server package, no network.
-Writes DIR/gpu_check.json (everything), gpu_check.md (tables and the issue's targets),
+Writes DIR/gpu_check.json (everything), gpu_check.md (tables and the GPU path's targets),
 gpu_check.png (decode anatomy), kernel_bench.png, gpu_check.log (every stage's output) and, with
 --trace, trace.json (Chrome trace of one profiled decode step range). Exit status: 0 when every
 stage ran and the tests passed, 1 otherwise, 2 without CUDA and without --dry-run.
@@ -211,7 +211,7 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: checks the pipeline")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply every stage's time limit (e.g. 0.7 to fit a shorter device lease)")
+                   help="multiply every stage's time limit (e.g. 0.7 to fit a shorter time budget)")
     p.add_argument("--trace", action="store_true", help="also write trace.json (Chrome trace, first anatomy run)")
     p.add_argument("--toolchain-only", action="store_true",
                    help="only check the C toolchain Triton's launcher needs; print it as JSON; exit 1 if missing")

@@ -1,9 +1,9 @@
-"""gpu_check's report: the issue's targets judged from the measured numbers, the markdown summary
+"""gpu_check's report: the GPU path's targets judged from the measured numbers, the markdown summary
 and the decode-anatomy PNG (engine/bench/gpu_check.py runs the stages that measure them)."""
 
 from __future__ import annotations
 
-# The issue's targets (H100/H200): decode >= 70% of copy bandwidth at batch 1 (1B, bf16), graphs
+# The GPU path's targets (H100/H200): decode >= 70% of copy bandwidth at batch 1 (1B, bf16), graphs
 # >= 2x eager at batch 1, <= 12 kernels per layer per eager step, one graph launch per step.
 DECODE_COPY_TARGET, GRAPH_SPEEDUP_TARGET, KERNELS_PER_LAYER_TARGET = 0.70, 2.0, 12
 
@@ -23,7 +23,7 @@ def kernels_per_layer(eager: list[dict]) -> tuple[float | None, str]:
 
 
 def summarize(report: dict) -> list[dict]:
-    """The issue's targets, each met, missed or not measured (None), with the number behind it."""
+    """The GPU path's targets, each met, missed or not measured (None), with the number behind it."""
     bench = report.get("kernel_bench") or {}
     rows = bench.get("rows") or []
     copy_gb = (bench.get("meta") or {}).get("copy_gb_per_s")

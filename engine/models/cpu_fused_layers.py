@@ -2,11 +2,10 @@
 DecoderLayers, bound to the layers' weights once): the kernels the modules call, in their order,
 without the modules' Python.
 
-On a slow core the Llama modules cost about 250 us of Python and dispatch per layer around ten
-kernel calls: at batch 1 on the default model that was 8.7 of a 21.5 ms decode step (measured,
-BENCHMARKS.md "Session 9"). The C++ loop calls the same kernels on the same tensors, so its
-hidden states are the modules' bit for bit (tests/engine/test_cpu_fused_layers.py). It is taken
-only where that holds, else the modules run:
+On a slow core the Llama modules' Python and dispatch around a layer's ten kernel calls cost
+about 250 us a layer, a large share of a batch-1 decode step. The C++ loop calls the same kernels
+on the same tensors, so its hidden states are the modules' bit for bit
+(tests/engine/test_cpu_fused_layers.py). It is taken only where that holds, else the modules run:
 - statically: every layer the dense Llama-family layer (engine/models/llama.py: Llama, Mistral,
   Qwen2's qkv bias, Qwen3's q/k norms), each weight GGUF blocks the C++ kernels read (a .gguf
   file's own, or --quantization int8/int4) or float (plain, or packed by oneDNN), no bias past

@@ -1,4 +1,4 @@
-"""Engine test fixtures: tiny random models of each family, built once per session."""
+"""Engine test fixtures: tiny random models of each family, built once per test run."""
 
 from __future__ import annotations
 

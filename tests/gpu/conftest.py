@@ -24,7 +24,7 @@ def graph_kwargs(eager: bool) -> dict:
 @pytest.fixture(scope="session")
 def gpu_tiny_models(tmp_path_factory):
     """name -> folder of a tiny random model: tests/engine's FAMILIES, plus `name:key=value,...`
-    overrides (e.g. "llama:num_hidden_layers=6"), each built once per session."""
+    overrides (e.g. "llama:num_hidden_layers=6"), each built once per test run."""
     cache = {}
 
     def get(name: str) -> str:

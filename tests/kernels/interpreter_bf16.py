@@ -3,7 +3,7 @@
 The interpreter keeps bfloat16 values as their raw uint16 bits in numpy, which has no bfloat16:
 tl.dot then multiplies the bit patterns as integers, arithmetic on bf16 values adds and compares
 integers, and a float32 -> bfloat16 cast truncates instead of rounding to nearest even (a known
-upstream limitation). install() patches the interpreter's builder for the test session so that
+upstream limitation). install() patches the interpreter's builder for the test run so that
 bf16 operands are widened to float32 (exact: bf16 is float32's top half), computed on, and rounded
 back to nearest even as the GPU's cvt.rn.bf16.f32 does (NaN stays NaN). Reductions (tl.sum / tl.max
 of a bf16 tensor) are not patched: the kernels reduce in float32.

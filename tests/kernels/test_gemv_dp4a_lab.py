@@ -1,5 +1,5 @@
 """The lab kernel of benchmarks/gpu/gemv_dp4a.py (the one-row Q4_1 matmul on int8 activations and
-dp4a, for a GPU session to time against the engine's) stays correct under the interpreter, dp4a
+dp4a, for a GPU run to time against the engine's) stays correct under the interpreter, dp4a
 emulated: against a float64 matmul of the dequantized weights and the activations as it rounds
 them, unsplit and with K split (the last split to arrive sums)."""
 

@@ -1,5 +1,5 @@
 """The lab kernel of benchmarks/gpu/gemv_tiled.py (gemv_kernel's arithmetic on a layout with each
-program's step contiguous, for a GPU session to time against the engine's) stays correct under the
+program's step contiguous, for a GPU run to time against the engine's) stays correct under the
 interpreter: against a float64 matmul of the dequantized weights, and bit for bit against the
 engine's gemv_kernel at the same tile and K split (so a timing difference is the layout's alone)."""
 

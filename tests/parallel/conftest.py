@@ -1,4 +1,4 @@
-"""Tiny models for the parallel tests, built once per session (float32, peaked logits); the
+"""Tiny models for the parallel tests, built once per test run (float32, peaked logits); the
 multi-process tests are marked slow."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def new_processes():
     """The live engine processes below this one that appeared since the test began (other suites'
-    session fixtures, a server for one, may be running too): call it to list them."""
+    run-wide fixtures, a server for one, may be running too): call it to list them."""
     before = set(engine_processes())
     return lambda: sorted(set(engine_processes()) - before)
 

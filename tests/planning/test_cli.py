@@ -94,9 +94,9 @@ def test_tables_by_default(command):
     (["serve", "--model", "llama-2-7b"], "--gpu-memory-gib"),
     (["serve", "--model", "llama-2-7b", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "1.5"],
      "--gpu-memory-utilization"),
-    # A probe of session 24: inf overflowed (tracebacks) or planned nonsense (a 0 s step, "cost":
-    # Infinity, not JSON); an infinite rate was blamed on --ttft-ms; a head size was floored in
-    # silence; limits the engine refuses were planned as fitting.
+    # Each must name its flag, because inf can overflow into a traceback or plan nonsense (a 0 s
+    # step, "cost": Infinity, not JSON), an infinite rate can be blamed on --ttft-ms, a head size
+    # can be floored in silence, and limits the engine refuses can be planned as fitting.
     (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "inf"], "--gpu-memory-gib"),
     (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "1e400"], "--gpu-memory-gib"),
     ([*TRAIN, "--peak-tflops", "inf"], "--peak-tflops"),

@@ -1,7 +1,7 @@
 """Training time against published tables, through `engine plan train` as a user runs it.
 
 An end-to-end figure (achieved TFLOP/s, MFU) reproduces the published time with nothing added: the
-bubble and the communication are already in it. Tolerance 10% (the issue's bar); observed within 1.2%.
+bubble and the communication are already in it. Tolerance 10% (the planner's bar); observed within 1.2%.
 
 Where each figure was read (re-read for this file, not written from memory):
   Narayanan et al. 2021 (arXiv 2104.04473), Table 2: the table itself as a screenshot in cli99/llm-analysis,
