@@ -93,8 +93,7 @@ def step_activity(events, num_steps: int, on_cuda: bool) -> dict:
         out["host_launches_per_step"] = sum(e.name in _LAUNCH_CALLS for e in events) / num_steps
         out["graph_launches_per_step"] = sum(e.name in _GRAPH_LAUNCH for e in events) / num_steps
         # The device's own time, not clipped to the steps' host ranges: its timestamps need not
-        # line up with the host's (session 9's clipped union read 39% busy where the kernels of a
-        # step summed to 92% of it; BENCHMARKS.md, session 12).
+        # line up with the host's, so clipping would count a busy device as mostly idle.
         out["device_us_per_step"] = _union_us([(e.time_range.start, e.time_range.end) for e in device]) / num_steps
         out["top_kernels"] = top_kernels(device, num_steps)
     else:
