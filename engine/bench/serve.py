@@ -55,6 +55,8 @@ async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, mod
     import httpx
     from tqdm import tqdm
 
+    from engine.bench.load_progress import LoadProgress
+
     url = api + ("/chat/completions" if args.endpoint == "chat" else "/completions")
     headers = auth_headers(args.api_key)
     # keepalive=False: a fresh connection per request, for servers that close a connection after a
@@ -76,27 +78,28 @@ async def run_load(args, requests: list[SampleRequest], tokenizer, api: str, mod
                                  "there (--base-url) and takes these arguments")
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = tqdm(total=len(requests), desc="bench serve", disable=args.disable_tqdm)
+        progress = LoadProgress(tqdm(total=len(requests), desc="bench serve", disable=args.disable_tqdm))
         t0 = time.perf_counter()
 
         async def one(req: SampleRequest) -> RequestResult:
             async def go():
+                progress.on_sent()
                 return await stream_request(client, url, payload(req), headers, args.endpoint,
-                                            req.prompt_len, tokenizer, t0)
+                                            req.prompt_len, tokenizer, t0, on_token=progress.on_token)
             if sem is None:
                 r = await go()
             else:
                 async with sem:
                     r = await go()
-            bar.update(1)
+            progress.on_finished(r.success)
             return r
 
-        tasks = []
-        async for i in arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(one(requests[i])))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-        bar.close()
+        with progress:
+            tasks = []
+            async for i in arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
+                tasks.append(asyncio.create_task(one(requests[i])))
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - t0
     metrics = serve_metrics(results, duration, args.percentiles, args.goodput_slos)
     errors = [r.error for r in results if not r.success]
     return {

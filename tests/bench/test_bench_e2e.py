@@ -74,6 +74,7 @@ def test_serve_launch_engine(tiny_model_dir, tmp_path):
                  "--output-json", str(out), "--plot", str(png), "--save-result", "--result-dir", str(tmp_path / "res"))
     assert "Serving Benchmark Result" in proc.stdout and "| server |" in proc.stdout and png.stat().st_size > 0
     assert "--max-model-len 128" in proc.stdout  # the engine flag reached the launched server
+    assert f"sent {n}, in flight 0, done {n}, " in proc.stderr and " tok/s" in proc.stderr  # the live line, at the end
     (saved,) = (tmp_path / "res").iterdir()
     assert saved.name.startswith("engine-50.0qps-concurrency1_4-") and saved.suffix == ".json"
     assert json.loads(saved.read_text()) == json.loads(out.read_text())

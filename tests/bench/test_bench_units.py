@@ -259,3 +259,41 @@ def test_report_json_is_strict(tmp_path):
     write_json(str(tmp_path / "r.json"), {"rate": float("inf"), "xs": [1.5, float("nan")], "n": 3})
     text = (tmp_path / "r.json").read_text()
     assert json.loads(text) == {"rate": "inf", "xs": [1.5, "nan"], "n": 3} and "Infinity" not in text
+
+
+def test_the_live_line_shows_requests_under_way_before_any_finishes():
+    """bench serve's progress: sent, in flight, done and tokens per second are on screen from the
+    start, so a queue whose first request has not finished does not read as a hang."""
+    import asyncio
+
+    from engine.bench.load_progress import LoadProgress
+
+    class Bar:
+        def __init__(self):
+            self.shown, self.updates, self.closed = [], 0, False
+
+        def set_postfix_str(self, text, refresh=True):
+            self.shown.append(text)
+
+        def update(self, n):
+            self.updates += n
+
+        def close(self):
+            self.closed = True
+
+    async def run(bar):
+        with LoadProgress(bar) as progress:
+            for _ in range(3):
+                progress.on_sent()
+            for _ in range(5):
+                progress.on_token()
+            await asyncio.sleep(0.05)  # the first refresh runs at once, before any request ends
+            early = bar.shown[-1]
+            progress.on_finished(True)
+            progress.on_finished(False)
+        return early
+
+    bar = Bar()
+    early = asyncio.run(run(bar))
+    assert early.startswith("sent 3, in flight 3, done 0, ") and early.endswith(" tok/s")
+    assert bar.shown[-1].startswith("sent 3, in flight 1, done 2, 1 failed, ") and bar.updates == 2 and bar.closed

@@ -71,8 +71,9 @@ async def sse_lines(resp):
 
 
 async def stream_request(client, url: str, payload: dict, headers: dict, endpoint: str,
-                         prompt_len: int, tokenizer=None, t0: float = 0.0) -> RequestResult:
-    """POST `payload` with stream=True to `url` (an httpx.AsyncClient) and time the chunks."""
+                         prompt_len: int, tokenizer=None, t0: float = 0.0, on_token=None) -> RequestResult:
+    """POST `payload` with stream=True to `url` (an httpx.AsyncClient) and time the chunks;
+    `on_token()` is called at each choice-carrying chunk (the live progress line)."""
     out = RequestResult(prompt_len=prompt_len)
     chunks: list[str] = []
     st = time.perf_counter()
@@ -109,6 +110,8 @@ async def stream_request(client, url: str, payload: dict, headers: dict, endpoin
                         out.itl.append(now - last)
                     last = now
                     chunks.append(_delta_text(endpoint, choices[0]))
+                    if on_token is not None:
+                        on_token()
                 if usage := msg.get("usage"):
                     if usage.get("completion_tokens") is not None:
                         out.output_tokens = int(usage["completion_tokens"])
