@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.protocol import TOKEN_ID_MARK
+from server.protocol import SERVED_BOUND
 from server.responses import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -92,16 +92,28 @@ def _complete(paths: dict) -> None:
                 ok["content"] = {"application/json": {"schema": BODIES[path, method]}}
 
 
-def _token_ids(schema, vocab_size: int | None) -> None:
-    """Each token id's schema gets the served vocabulary's bound (the marker goes)."""
+def _served_bounds(schema, bounds: dict[str, int]) -> None:
+    """Each bound the served engine sets becomes the schema's maximum (the marker goes)."""
     if isinstance(schema, dict):
-        if schema.pop(TOKEN_ID_MARK, False) and vocab_size:
-            schema["maximum"] = vocab_size - 1
+        bound = schema.pop(SERVED_BOUND, None)
+        if bound in bounds:
+            schema["maximum"] = bounds[bound]
         for value in schema.values():
-            _token_ids(value, vocab_size)
+            _served_bounds(value, bounds)
     elif isinstance(schema, list):
         for value in schema:
-            _token_ids(value, vocab_size)
+            _served_bounds(value, bounds)
+
+
+def served_bounds(state) -> dict[str, int]:
+    """The largest token id (of what both the tokenizer and the model know), the longest output (a
+    prompt takes a token at least), the most logprobs."""
+    if state is None:
+        return {}
+    vocab = min(v for v in (len(state.tokenizer), getattr(state.engine, "vocab_size", None)) if v)
+    bounds = {"token_id": vocab - 1, "max_tokens": state.max_model_len - 1,
+              "logprobs": getattr(getattr(state.engine, "config", None), "max_logprobs", None)}
+    return {name: bound for name, bound in bounds.items() if isinstance(bound, int)}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -118,8 +130,7 @@ def install_openapi(app: FastAPI) -> None:
                 if state is not None and "model" in model_schema["properties"]:  # any other name is a 404
                     model_schema["properties"]["model"] = {"anyOf": [{"const": state.served_model_name},
                                                                      {"type": "null"}]}
-            vocab = [len(state.tokenizer), getattr(state.engine, "vocab_size", None)] if state is not None else []
-            _token_ids(components, min((v for v in vocab if v), default=None))
+            _served_bounds(components, served_bounds(state))
             for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body, never sent here
                 components.pop(name, None)
             _complete(schema.get("paths", {}))

@@ -40,9 +40,18 @@ def FloatIn(ge: float | None = None, le: float | None = None, gt: float | None =
     return Annotated[float, Field(ge=ge, le=le, gt=gt)]
 
 
-# Marks a token id in the document, where the served vocabulary's size is filled in (server/openapi.py).
-TOKEN_ID_MARK = "x-token-id"
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_integral_float)]
+# Marks a bound in the document that the served engine sets (server/openapi.py fills it in): the
+# largest token id, the longest output, the most logprobs.
+SERVED_BOUND = "x-served-bound"
+
+
+def IntUpTo(ge: int, bound: str):
+    return Annotated[int, Field(ge=ge, json_schema_extra={SERVED_BOUND: bound}), BeforeValidator(_integral_float)]
+
+
+TokenId = IntUpTo(0, "token_id")
+MaxTokens = IntUpTo(1, "max_tokens")
+Logprobs = IntUpTo(0, "logprobs")
 NonEmpty = Annotated[str, Field(min_length=1)]
 # logit_bias keys: ASCII digits only (str.isdecimal would take "²" and "①", which int() refuses).
 LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "additionalProperties": False, "patternProperties": {
@@ -93,7 +102,7 @@ def _unsupported(what: str, value: Any, noop: tuple = (None,)) -> Any:
 
 
 # The JSON schema of a completions `prompt` / embeddings `input` (checked by _prompt_shape).
-_ID = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}
+_ID = {"type": "integer", "minimum": 0, SERVED_BOUND: "token_id"}
 PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                            {"type": "array", "items": _ID, "minItems": 1},
@@ -153,6 +162,8 @@ class ResponseFormat(_Request):
 
 class StructuredOutputs(_Request):
     """vLLM's structured_outputs: one constraint (engine.sampling_params.GRAMMAR_KINDS)."""
+
+    model_config = ConfigDict(json_schema_extra={"maxProperties": 1})
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema, or its JSON text
     json_object: bool | None = None
@@ -280,8 +291,8 @@ STREAM_OPTIONS_RULE = _needs("stream_options", {"type": "null"}, "stream", {"con
 class CompletionRequest(_SamplingRequest):
     model_config = ConfigDict(json_schema_extra=_rules(STREAM_OPTIONS_RULE))
     prompt: PromptField  # str | list[str] | list[int] | list[list[int]], checked below for one clear message
-    max_tokens: IntIn(1) | None = 16  # OpenAI's default; null means "up to the context window"
-    logprobs: IntIn(0) | None = None
+    max_tokens: MaxTokens | None = 16  # OpenAI's default; null means "up to the context window"
+    logprobs: Logprobs | None = None
     echo: bool = False
     suffix: Annotated[str | None, WithJsonSchema({"enum": ["", None]})] = None
     best_of: IntIn(1, MAX_N) | None = None  # only n
@@ -508,10 +519,10 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
         STREAM_OPTIONS_RULE, CONTINUE_RULE, _needs("top_logprobs", {"enum": [None, 0]}, "logprobs", {"const": True}),
         _needs("tool_choice", {"enum": [None, "none"]}, "tools", {"type": "array", "minItems": 1})))
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: IntIn(1) | None = None  # None: up to the context window
-    max_completion_tokens: IntIn(1) | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: MaxTokens | None = None  # None: up to the context window
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: IntIn(0) | None = None  # at most the engine's max_logprobs
+    top_logprobs: Logprobs | None = None  # at most the engine's max_logprobs
     # Tool calling (server/tool_calls.py checks them against the server's flags).
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
