@@ -55,7 +55,7 @@ Logprobs = IntUpTo(0, "logprobs")
 NonEmpty = Annotated[str, Field(min_length=1)]
 # logit_bias keys: ASCII digits only (str.isdecimal would take "²" and "①", which int() refuses).
 LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "additionalProperties": False, "patternProperties": {
-    r"^\s*[0-9]+\s*$": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}},
+    r"^[0-9]+$": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}},
     {"type": "null"}]}
 
 
@@ -133,7 +133,6 @@ def _prompt_shape(v):
 class JSONSchemaFormat(_Request):
     """response_format's json_schema: the schema the output follows (`strict`: no extra properties)."""
 
-    model_config = ConfigDict(populate_by_name=False)
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")  # OpenAI's key is `schema`
