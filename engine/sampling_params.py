@@ -103,7 +103,7 @@ class SamplingParams:
     # Set: an embedding request. The prompt runs, nothing is generated, and the request ends with
     # the pooled, L2-normalised final hidden states (RequestOutput.embedding).
     pooling: str | None = None
-    # Set: every sampled token must keep the output inside this grammar (engine/structured_output.py).
+    # Set: every sampled token must keep the output inside this grammar (engine/structured_output/).
     structured_outputs: GrammarSpec | None = None
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr
 
 import kernels
+from engine.config import EngineConfig
 from engine.loader import resolve_model
 from engine.sampling_params import GrammarSpec
 from engine.structured_output import StructuredOutputs
@@ -19,10 +20,11 @@ from kernels import reference
 
 src = resolve_model(None)
 vocab = src.hf_config.vocab_size
-grammars = StructuredOutputs(src.tokenizer, vocab, src.eos_token_ids, kernels.get_backend("cpu").apply_token_bitmask)
+grammars = StructuredOutputs(src.tokenizer, vocab, src.eos_token_ids, kernels.get_backend("cpu").apply_token_bitmask,
+                             EngineConfig())
 spec = GrammarSpec.of("json", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
                                "minItems": 100, "maxItems": 100})
-matchers = [grammars.matcher(spec, []) for _ in range(32)]
+matchers = [grammars.matcher(spec, None, []) for _ in range(32)]
 bitmask = xgr.allocate_token_bitmask(32, vocab)
 logits = torch.randn(32, vocab)
 
