@@ -46,10 +46,49 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """allow_abbrev off: a copied flag that only starts like one of ours (`--kv-cache-memory` for
     `--kv-cache-memory-gib`) must be an "unrecognized argument", not a confusing error about the
-    other flag. Subparsers inherit the class (argparse builds them with `type(parent)`)."""
+    other flag. Subparsers inherit the class (argparse builds them with `type(parent)`). An error is
+    one line naming the flag and what to do, without the usage block (`--help` has it)."""
 
     def __init__(self, *args, allow_abbrev: bool = False, formatter_class=HelpFormatter, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message = unrecognized(message[len(prefix):].split(), self.prog)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# vLLM's flags that have no counterpart here, and what to do instead (a pasted vLLM command line).
+VLLM_ONLY_FLAGS = {
+    "--trust-remote-code": "not needed: pagewise runs the model families it implements itself, never a "
+                           "checkpoint's own Python code",
+    "--generation-config": "a model's generation_config.json gives only its end-of-sequence ids here; give "
+                           "sampling settings in each request (temperature, top_p, ...)",
+    "--swap-space": "preempted requests are recomputed, not swapped to CPU memory; size the KV cache with "
+                    "--kv-cache-memory or --gpu-memory-utilization",
+    "--disable-log-requests": "requests are never logged unless --log-requests is given: drop the flag",
+    "--disable-log-stats": "there is no periodic stats line to turn off; /metrics has the numbers: drop the flag",
+    "--download-dir": "nothing is downloaded: give --model a local folder or .gguf file",
+    "--revision": "nothing is downloaded: give --model a local folder or .gguf file",
+    "--load-format": "weights load from the safetensors or .gguf files --model names",
+    "--tokenizer-mode": "the model's Hugging Face tokenizer is used (--tokenizer for another one)",
+    "--distributed-executor-backend": "ranks are processes the engine starts itself (or torchrun's): pass "
+                                      "--tensor-parallel-size / --pipeline-parallel-size / --data-parallel-size",
+    "--enable-lora": "LoRA adapters are not served yet",
+    "--lora-modules": "LoRA adapters are not served yet",
+    "--speculative-config": "speculative decoding is not supported yet",
+}
+
+
+def unrecognized(flags: list[str], prog: str) -> str:
+    """The message for flags the parser did not take: what to use instead for a vLLM flag, else
+    where the flags are listed."""
+    for flag in flags:
+        hint = VLLM_ONLY_FLAGS.get(flag.split("=", 1)[0])
+        if hint is not None:
+            return f"{flag.split('=', 1)[0]} is a vLLM flag with no counterpart here: {hint}"
+    return f"unrecognized arguments: {' '.join(flags)} (`{prog} --help` lists the flags)"
 
 
 def parse_bytes(text: str) -> int:

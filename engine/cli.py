@@ -12,7 +12,7 @@ import sys
 
 import engine
 from engine.arg_utils import (SERVING_ONLY, ArgumentParser, add_engine_args, add_log_level, engine_config_kwargs,
-                              walk_parsers)
+                              unrecognized, walk_parsers)
 from engine.default_model import USER_ERRORS
 
 
@@ -94,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         from engine.planning.cli import main as plan_main
 
         return plan_main(plan_argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)  # a subcommand's unknown flags come back here
+    if extras:
+        prog = " ".join(["engine", args.command, *filter(None, [getattr(args, "bench_mode", None)])])
+        parser.exit(2, f"{prog}: error: {unrecognized(extras, prog)}\n")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0

@@ -4,12 +4,13 @@ rank 0's step time, every stage's busy time and the bubble, next to the ideal (p
 
     python -m engine.bench.bubble --model ./my-model --pipeline-parallel-size 2 --num-prompts 32
 
+Without --model it measures the embedded default model, as the other commands do.
+
 Each rank gets one CPU thread (--num-threads), so on CPU the stages need a core each to overlap.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from engine.executor.executor import pipeline_bubble
@@ -41,8 +42,11 @@ def measure(model: str, tp: int, pp: int, micro_batches: int, num_prompts: int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    from engine.arg_utils import ArgumentParser
+    from engine.default_model import USER_ERRORS
+
+    p = ArgumentParser(prog="python -m engine.bench.bubble", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model folder or .gguf file (default: the embedded default model)")
     p.add_argument("--pipeline-parallel-size", type=int, default=2)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=32)
@@ -57,8 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'micro-batches':>13} {'steps':>6} {'wall s':>7} {'step s':>7} {'stage busy s':>20} "
           f"{'bubble':>7} {'ideal':>6}")
     for m in (1, pp):
-        r = measure(args.model, args.tensor_parallel_size, pp, m, args.num_prompts, args.prompt_len, args.max_tokens,
-                    max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads)
+        try:
+            r = measure(args.model, args.tensor_parallel_size, pp, m, args.num_prompts, args.prompt_len,
+                        args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
+                        num_threads=args.num_threads)
+        except USER_ERRORS as e:  # a setting the user can fix: one line, as every command says it
+            p.exit(2, f"{p.prog}: error: {e}\n")
         busy = " ".join(f"{b:.2f}" for b in r["stage_busy_s"])
         print(f"{m:>13} {r['steps']:>6} {r['wall_s']:>7.2f} {r['step_s']:>7.2f} {busy:>20} "
               f"{r['bubble']:>7.0%} {r['ideal']:>6.0%}")
