@@ -52,6 +52,7 @@ def parse_run_time(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.arg_utils import HelpFormatter
+    from engine.bench.common import results_path
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("server")
@@ -80,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--users", type=int, default=8, metavar="N", help="simulated users")
     g.add_argument("--spawn-rate", type=float, default=2.0, metavar="R", help="users started per second")
     g.add_argument("--run-time", default="30s", metavar="T", help="Locust run time, e.g. 30s, 5m, 1h30m")
-    g.add_argument("--out-dir", default="loadtest-report", metavar="DIR",
+    g.add_argument("--out-dir", default=results_path("loadtest"), metavar="DIR",
                    help="where the CSV and HTML reports (and the started server's log) go, relative to the current "
-                        "folder")
+                        "folder (default: %(default)s, which git ignores)")
     g.add_argument("--max-failure-ratio", type=float, default=0.01, metavar="R",
                    help="exit 1 above this failed / total ratio; 0 for a strict run")
     return p

@@ -94,6 +94,7 @@ def plot(samples: list[tuple[float, int]], warmup: float, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.arg_utils import HelpFormatter
+    from engine.bench.common import results_path
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--run-time", type=parse_run_time, default=600.0, metavar="T", help="load duration (e.g. 10m)")
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `engine serve` (repeatable; default: none)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the server may take to start")
-    p.add_argument("--out-dir", default="soak-report", help="where the report goes (relative to here)")
+    p.add_argument("--out-dir", default=results_path("soak"),
+                   help="where the report goes, relative to here (default: %(default)s, which git ignores)")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)

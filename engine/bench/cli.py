@@ -14,7 +14,7 @@ import sys
 
 from engine.arg_utils import SERVING_ONLY, ArgumentParser, HelpFormatter, add_engine_args
 from engine.bench.backends import BACKENDS
-from engine.bench.common import cores, parse_servers
+from engine.bench.common import RESULTS_DIR, cores, parse_servers
 
 DESCRIPTION = """\
 Benchmark pagewise against vLLM, llama.cpp and Hugging Face transformers on identical requests.
@@ -250,7 +250,7 @@ def _serve(s: argparse.ArgumentParser, output: argparse._ArgumentGroup) -> None:
                              "LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json")
     output.add_argument("--result-dir", default=None, metavar="DIR",
                         help="folder for --save-result, created if missing; implies --save-result "
-                             "(default: the current folder)")
+                             f"(default: ./{RESULTS_DIR}, which git ignores)")
     output.add_argument("--result-filename", default=None, metavar="NAME",
                         help="file name for --save-result instead of vLLM's; implies --save-result (default: none)")
     output.add_argument("--label", default=None,

@@ -10,6 +10,14 @@ import argparse
 import json
 import os
 
+# Where every bench, load-test and soak output goes unless told otherwise: one folder the
+# repository ignores (.gitignore), so running an example never leaves files to commit.
+RESULTS_DIR = "bench-results"
+
+
+def results_path(*parts: str) -> str:
+    return os.path.join(RESULTS_DIR, *parts)
+
 
 def cores() -> int:
     """The cores this process may run on (its affinity mask)."""

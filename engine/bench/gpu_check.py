@@ -41,6 +41,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+from engine.bench.common import results_path
 from engine.bench.gpu_report import markdown, plot_anatomy, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -207,7 +208,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m engine.bench.gpu_check", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output-dir", help="where the report goes (created)")
+    p.add_argument("--output-dir", default=results_path("gpu-check"),
+                   help="where the report goes (created; default: %(default)s, which git ignores)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: checks the pipeline")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -221,8 +223,6 @@ def parse_args(argv):
     if bad or not stages:
         p.error(f"--stages takes names from {','.join(STAGES)}; got {args.stages!r}")
     args.stages = stages
-    if not args.toolchain_only and not args.output_dir:
-        p.error("--output-dir is required")
     return args
 
 

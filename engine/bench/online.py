@@ -11,7 +11,7 @@ import os
 import sys
 
 from engine.bench import report, serve
-from engine.bench.common import load_tokenizer, peer_threads, report_settings
+from engine.bench.common import RESULTS_DIR, load_tokenizer, peer_threads, report_settings
 from engine.bench.datasets import build_requests
 
 # Launched servers that close a connection after each streamed response though they announce
@@ -75,7 +75,7 @@ def result_path(args, runs: list[dict], started) -> str:
         model = args.served_model_name or next((r.get("served_model_name") for r in runs), None) or args.model
         model_id = str(model).rstrip("/").split("/")[-1]
         name = f"{label}-{args.request_rate}qps{concurrency}-{model_id}-{started:%Y%m%d-%H%M%S}.json"
-    return os.path.join(args.result_dir or ".", name)
+    return os.path.join(args.result_dir or RESULTS_DIR, name)
 
 
 def load_label(args, level: int | None) -> str:

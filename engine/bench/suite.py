@@ -25,6 +25,7 @@ import tomllib
 from pathlib import Path
 
 from engine.bench import suite_render
+from engine.bench.common import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "benchmarks" / "scenarios.toml"
@@ -237,7 +238,7 @@ def add_arguments(p) -> None:
     p.add_argument("--only", action="append", default=[], metavar="NAME[,NAME...]",
                    help="run these scenarios only (repeatable; default: every scenario)")
     p.add_argument("--dry-run", action="store_true", help="print the exact commands, run nothing")
-    p.add_argument("--results-dir", default="bench-results", metavar="DIR",
+    p.add_argument("--results-dir", default=RESULTS_DIR, metavar="DIR",
                    help="raw outputs go here, a folder per scenario (default: ./bench-results, which git ignores)")
     p.add_argument("--benchmarks-md", default=str(ROOT / "BENCHMARKS.md"), metavar="PATH",
                    help="the file whose marked tables are rewritten (default: the checkout's BENCHMARKS.md)")
