@@ -29,6 +29,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._specials = None  # chat_template.SpecialsAsText, built by the first chat
 
     def shutdown(self) -> None:
         """Stop the engine's worker or replica processes (none for one process). Idempotent."""
@@ -62,21 +63,26 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             parse_special_tokens_in_messages: bool = False) -> list[RequestOutput]:
         """As vLLM's LLM.chat: continue_final_message leaves the last message open for the model to
         continue (add_generation_prompt must then be False); chat_template_kwargs are more variables
-        for the template (e.g. Qwen3's enable_thinking)."""
+        for the template (e.g. Qwen3's enable_thinking). Special-token text in the messages is plain
+        text, as at the server, unless parse_special_tokens_in_messages (transformers' reading)."""
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         if not one and not (isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages)):
             raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
                              f"list of conversations, got {str(messages)[:100]!r}")
         conversations = [chat_template.conversation(messages)] if one else [
             chat_template.conversation(c, f"messages[{j}]") for j, c in enumerate(messages)]
-        prompts = [chat_template.render(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
+        if self._specials is None and not parse_special_tokens_in_messages:
+            self._specials = chat_template.SpecialsAsText(self.tokenizer)
+        specials = None if parse_special_tokens_in_messages else self._specials
+        prompts = [chat_template.encode(self.tokenizer, c, specials=specials,
+                                        add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
                                         template_kwargs=chat_template_kwargs) for c in conversations]
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        return self._run(list(zip(prompts, ids)), sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm)
 
     def _prompt(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of prompts[i]; ValueError naming it when it is neither."""
