@@ -322,7 +322,7 @@ def test_a_dead_end_mid_stream_is_an_error_event_naming_the_field(server, client
 
 
 def test_still_serving_after_bad_input(server, client):
-    """Runs after the table (same session server): nothing above left the server broken or a KV
+    """Runs after the table (the same shared server): nothing above left the server broken or a KV
     block taken."""
     assert httpx.get(server.url + "/health").status_code == 200
     model = client.models.list().data[0].id

@@ -230,7 +230,7 @@ def test_calls_and_answers_go_into_the_next_turn(client):
 
 
 def test_bad_tool_and_grammar_requests_beside_good_ones(server, client):
-    """While a streamed request and a constrained one run, every bad input of #17's kinds gets its
+    """While a streamed request and a constrained one run, every bad tool, tool_choice and grammar input gets its
     400 naming the field; the good ones finish whole and no KV block stays in use."""
     import threading
     import time
