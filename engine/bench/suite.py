@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 from engine.bench import suite_render
@@ -36,6 +35,10 @@ LLAMACPP_DIRS = ("/opt/llamacpp/bin", "~/.cache/pagewise/llamacpp/bin")
 
 
 def load(path: Path = SCENARIOS) -> list[dict]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (a dependency there)
+        import tomli as tomllib
     scenarios = tomllib.loads(path.read_text())["scenario"]
     for s in scenarios:
         s.setdefault("rounds", 1)
