@@ -48,6 +48,9 @@ def to_grammar(spec: GrammarSpec, string_chars: int | None = None):
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
         return xgr.Grammar.from_ebnf(spec.spec)
+    except UnicodeError:  # a lone surrogate escape: Python's codec text would say nothing to a client
+        raise ValueError(f"structured_outputs: the {spec.kind} holds text that is not valid UTF-8 "
+                         "(e.g. a lone \\ud800-\\udfff escape)") from None
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
         why = _XGRAMMAR_SOURCE.sub("", str(e)).strip()  # its time and C++ source line say nothing to a client
         raise ValueError(f"structured_outputs: the {spec.kind} could not be compiled: {why}") from None

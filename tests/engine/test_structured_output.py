@@ -195,3 +195,14 @@ def test_the_compiled_grammars_are_bounded_in_memory():
         store.compiled(GrammarSpec.of("json", {"enum": [f"b{n}-{i}" for i in range(300)]}), 16)
     assert 1 <= store.num_cached < 41 and store.cached_bytes <= 200_000
     assert store.key(first, 16) not in store.cached_keys()
+
+
+def test_a_grammar_with_a_lone_surrogate_is_refused_without_codec_text():
+    """A JSON body may carry "\\ud800" alone; the grammar's text is then no valid UTF-8, and the
+    client hears that, not Python's codec message."""
+    from engine.sampling_params import GrammarSpec
+    from engine.structured_output.grammar import to_grammar
+
+    with pytest.raises(ValueError, match=r"^structured_outputs: the grammar holds text that is not valid UTF-8") as e:
+        to_grammar(GrammarSpec("grammar", 'root ::= "\ud800"'))
+    assert "codec" not in str(e.value)

@@ -13,7 +13,8 @@ SLO = ["serve", "--slo", "--model", "llama-3-70b", "--gpu", "h100-sxm", "--reque
 def test_plan_meets_its_targets_and_prints_the_engine_serve_command():
     done = plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40")
     assert done.returncode == 0, done.stderr
-    assert 'engine serve --model "$MODEL"' in done.stdout  # a preset: the weights' folder is the user's and "--max-num-seqs" in done.stdout
+    # a preset: the weights' folder is the user's to give
+    assert 'engine serve --model "$MODEL"' in done.stdout and "--max-num-seqs" in done.stdout
     out = json.loads(plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40", "--json").stdout)
     p = out["prediction"]
     assert p["ttft"] <= 1.0 and p["tpot"] <= 0.040 and p["stable"]

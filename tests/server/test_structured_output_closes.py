@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
+import re
 
 import httpx
 import jsonschema
@@ -22,6 +24,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "properties": {
                                                 "city": {"type": "string"}, "days": {"type": "integer"}},
                                                 "required": ["city", "days"]}}}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+with open(os.path.join(ROOT, "docs", "serving.md")) as f:
+    DOC_EXAMPLES = [json.loads(block) for block in re.findall(r"```json\n(.+?)\n```", f.read(), re.S)]
 
 
 def _ask(schema: dict) -> list[dict]:
@@ -47,9 +54,17 @@ def test_unbounded_schemas_and_a_named_tool_call_close(tmp_path):
                     tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
                 return WEATHER["function"]["parameters"], r.choices[0], r.usage.completion_tokens
 
+            def doc_reply(job):  # docs/serving.md's request bodies, as printed there
+                body, temperature = job
+                r = client.chat.completions.create(**body, temperature=temperature, seed=1)
+                fmt = body.get("response_format")
+                schema = fmt["json_schema"]["schema"] if fmt else body["tools"][0]["function"]["parameters"]
+                return schema, r.choices[0], r.usage.completion_tokens
+
             with concurrent.futures.ThreadPoolExecutor(48) as pool:
                 jobs = [pool.submit(schema_reply, (s, t)) for s in UNBOUNDED for t in (0.0, 0.7)]
                 jobs += [pool.submit(tool_reply, t) for t in (0.0, 0.7)]
+                jobs += [pool.submit(doc_reply, (body, t)) for body in DOC_EXAMPLES for t in (0.0, 0.7)]
                 replies = [j.result() for j in jobs]
         for schema, choice, tokens in replies:
             if choice.message.tool_calls:
@@ -60,7 +75,8 @@ def test_unbounded_schemas_and_a_named_tool_call_close(tmp_path):
                 text = choice.message.content
             assert tokens < 200
             jsonschema.validate(json.loads(text), schema)
-        assert sum(1 for _, c, _ in replies if c.message.tool_calls) == 2
+        assert len(DOC_EXAMPLES) == 2  # the structured-output and the tool example
+        assert sum(1 for _, c, _ in replies if c.message.tool_calls) == 4
     finally:
         proc.stop()
 
