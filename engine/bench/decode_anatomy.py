@@ -225,6 +225,8 @@ def build_engine(model: str, max_batch: int, context: int, new_tokens: int, dtyp
 
     max_len = context + new_tokens + 64
     extra = {} if enforce_eager is None else {"enforce_eager": enforce_eager}
+    # A CPU step prefills a whole token budget too, as prefill_steps counts (decode is what is measured).
+    extra.update(cpu_max_prefill_tokens=STEP_TOKENS, cpu_max_prefill_attention=STEP_TOKENS * max_len)
     return LLM(model, dtype=dtype, max_num_seqs=max_batch, max_model_len=max_len, max_num_batched_tokens=STEP_TOKENS,
                num_kv_blocks=max_batch * -(-max_len // block_size) + 4, block_size=block_size,
                enable_prefix_caching=False, attention_backend=attention_backend, seed=0, **extra, **engine_kwargs)
