@@ -28,6 +28,7 @@ class Scheduler:
         limited = cpu and self.chunked_prefill
         self.prefill_token_budget = config.cpu_max_prefill_tokens if limited else None
         self.prefill_attention_budget = config.cpu_max_prefill_attention if limited else None
+        self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)  # in the step being scheduled
         self.max_model_len = max_model_len
         self.kv = kv
         # Finished (aborted) requests stay in the deque until they reach its head, so that an
