@@ -28,7 +28,7 @@ from engine.bench.common import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "benchmarks" / "scenarios.toml"
-READERS = ("bench-json", "llama-bench", "llama-batched-bench", "none")
+READERS = ("bench-json", "values-json", "llama-bench", "llama-batched-bench", "none")
 NEEDS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize", "vllm", "gpu")
 BACKEND_LABELS = {"engine": "pagewise", "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 LLAMACPP_DIRS = ("/opt/llamacpp/bin", "~/.cache/pagewise/llamacpp/bin")
@@ -154,6 +154,8 @@ def read(reader: str, out_file: str, stdout: str) -> dict[str, float]:
                 values[label] = r["metrics"]["output_tokens_per_s"]
                 values[f"{label} total"] = r["metrics"]["total_tokens_per_s"]
         return values
+    if reader == "values-json":  # a tool's own {label: number} file
+        return {label: float(v) for label, v in json.loads(Path(out_file).read_text()).items()}
     if reader == "llama-bench":
         return {"llama.cpp": float(json.loads(stdout)[0]["avg_ts"])}
     if reader == "llama-batched-bench":

@@ -137,6 +137,8 @@ def test_readers_take_the_numbers_the_tools_print(tmp_path):
     assert suite.relabel({"pagewise c=8": 1.0, "llama.cpp c=8": 2.0}, "plain") == {"plain c=8": 1.0,
                                                                                    "llama.cpp c=8": 2.0}
     assert suite.read("llama-bench", "", '[{"avg_ts": 164.81, "n_gen": 128}]') == {"llama.cpp": 164.81}
+    out.write_text(json.dumps({"cold start s": 45.0, "warm start s": 5.1}))
+    assert suite.read("values-json", str(out), "") == {"cold start s": 45.0, "warm start s": 5.1}
     table = ("llama_batched_bench: n_kv_max = 32768\n\n"
              "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
              "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
