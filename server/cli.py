@@ -21,6 +21,7 @@ import socket
 import sys
 
 from engine.arg_utils import add_engine_args, add_model_positional, engine_config_from_args
+from server.startup import StartupError
 from server.tool_calls import PARSERS, ToolConfig
 
 logger = logging.getLogger("pagewise.server")
@@ -28,11 +29,6 @@ logger = logging.getLogger("pagewise.server")
 # Looked up in this order, as the bench client and the load test do.
 API_KEY_ENVS = ("PAGEWISE_API_KEY", "OPENAI_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-class StartupError(Exception):
-    """A start-up failure the user fixes (port taken, bad host, a model that cannot be served):
-    one line, exit 2."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

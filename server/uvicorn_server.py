@@ -14,9 +14,9 @@ import sys
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from server.cli import StartupError
 from server.connections import ConnectionTable, Listener
 from server.http_protocol import HTTPProtocol, ReadTimeouts
+from server.startup import StartupError
 
 logger = logging.getLogger("pagewise.server")
 

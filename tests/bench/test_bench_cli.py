@@ -294,6 +294,6 @@ def test_save_result_file_name_is_vllms(bench):
         os.path.join("res", "openai-chat-4.0qps-concurrency8-served-20250102-030405.json")
     args = bench.parse_args(["serve", "--launch", "engine,vllm", "--label", "mine", "--result-filename", "r.json"])
     args.model, args.concurrency_levels = "/m/SmolLM2", [None]
-    assert result_path(args, [], when) == os.path.join(".", "r.json")
+    assert result_path(args, [], when) == os.path.join("bench-results", "r.json")  # the folder git ignores
     args.result_filename = None
-    assert result_path(args, [], when) == os.path.join(".", "mine-infqps-SmolLM2-20250102-030405.json")
+    assert result_path(args, [], when) == os.path.join("bench-results", "mine-infqps-SmolLM2-20250102-030405.json")
