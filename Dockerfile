@@ -70,7 +70,7 @@ sys.exit(0 if got == want else f'installed {got}, pinned {want}')" \
 
 USER pagewise
 # Convert the embedded default model (GGUF -> HF folder) once, so start-up needs no write.
-RUN python -c "from engine.default_model import default_model_path; print(default_model_path())"
+RUN python -c "from engine.loading.default_model import default_model_path; print(default_model_path())"
 
 EXPOSE 8000
 VOLUME ["/models"]

@@ -4,7 +4,7 @@ Heavy modules (torch, transformers) load on first use so that light tools such a
 `engine plan` start instantly.
 """
 
-from engine.cpu_threads import bound_openmp_spinning
+from engine.runner.cpu_threads import bound_openmp_spinning
 
 # Before anything imports torch: OpenMP reads how long idle threads spin once, when torch loads it.
 bound_openmp_spinning()

@@ -13,7 +13,7 @@ import sys
 import engine
 from engine.arg_utils import (SERVING_ONLY, ArgumentParser, add_engine_args, add_log_level, engine_config_kwargs,
                               unrecognized, walk_parsers)
-from engine.default_model import USER_ERRORS
+from engine.loading.default_model import USER_ERRORS
 
 
 def _add_generate(sub) -> None:

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
 
 class TokenSequence:
     """Prompt plus output tokens, read by position: the scheduler's Request and the runner's copy
-    of a stream (engine.runner_streams.CachedRequestState) both are one."""
+    of a stream (engine.runner.runner_streams.CachedRequestState) both are one."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]

@@ -96,7 +96,7 @@ class SamplingParams:
     # vLLM's: only these token ids may be sampled (every other logit -inf, greedy included); EOS
     # among them or not, as the caller lists it.
     allowed_token_ids: list[int] | None = None
-    # vLLM's: words the output may not contain (engine/bad_words.py: their token sequences, which
+    # vLLM's: words the output may not contain (engine/runner/bad_words.py: their token sequences, which
     # the engine fills in at admission from its tokenizer, since only it knows the vocabulary).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)

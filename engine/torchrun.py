@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ["RANK"]) == 0:
         return engine_main(argv)
     from engine.arg_utils import engine_config_from_args
-    from engine.loader import source_for
     from engine.distributed.layout import check_layout
     from engine.executor.worker import worker_main
+    from engine.loading.loader import source_for
 
     args = build_parser().parse_args(argv)
     rank = int(os.environ["RANK"])

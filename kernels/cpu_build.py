@@ -150,7 +150,7 @@ def _share_the_pool() -> None:
 def set_helpers(n: int) -> None:
     """Give the C++ kernels' loops `n` helper threads that their caller never waits for, beside
     torch's team (0: the team alone), now if kernels/cpu_quant.cpp's pool is loaded, else once it
-    is: engine/cpu_threads.LoadFollower asks for them on CPUs that other processes keep busy. The
+    is: engine/runner/cpu_threads.LoadFollower asks for them on CPUs that other processes keep busy. The
     pool serves cpu_ops.cpp's loops too once both libraries are loaded; their results do not
     depend on it (tests/kernels/test_helper_pool.py)."""
     global _helpers

@@ -1439,7 +1439,7 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
 
 // Sets the CPUs each of the op threads (torch's OpenMP team, the calling thread first) may run on:
 // thread i gets cpus[i] alone when one_each (a thread per CPU: beside busy loops the scheduler's
-// placement of unbound threads at times cost two thirds of their rate, engine/cpu_threads.py), else
+// placement of unbound threads at times cost two thirds of their rate, engine/runner/cpu_threads.py), else
 // every thread gets all of cpus. Each thread sets its own mask; at::parallel_for over one index per
 // thread hands thread t the index t (ATen's OpenMP split), and a team smaller than asked still
 // covers its threads. Returns how many threads set theirs; a failed call (a CPU outside the cgroup's

@@ -1125,7 +1125,7 @@ void linear_bf16_tiled_impl(const c10::BFloat16*, const uint8_t*, c10::BFloat16*
 
 // ---- bf16 rows against BF16 weights: bf16 dot products (AVX512_BF16) ---------------------------
 //
-// A bfloat16 model's bf16 checkpoint matrices held as stored (engine/weights.py KeepBF16) at the
+// A bfloat16 model's bf16 checkpoint matrices held as stored (engine/loading/weights.py KeepBF16) at the
 // register kernel's rows: vdpbf16ps multiplies 32 weights by 32 activations an instruction, in float32
 // (a bf16 product is exact in float32; the pairs' sums round as FMAs do, denormals flushed to zero),
 // where linear_f32 widens both to float32 first. The matmul oneDNN would run instead, on its packed

@@ -232,7 +232,7 @@ def register_rows(rows: int, weights: int, bf16: bool) -> bool:
 def native_bf16_matmul() -> bool:
     """Whether oneDNN multiplies bfloat16 natively here (AVX-512 BF16 / AMX). Without it (an AVX2-only
     CPU) its bf16 GEMM measured 3-8x slower than float32 at 16-256 rows, so bf16 weights are better
-    widened to float32 inside the block kernels (engine/weights.py KeepBF16). With AVX512_BF16 alone
+    widened to float32 inside the block kernels (engine/loading/weights.py KeepBF16). With AVX512_BF16 alone
     (no AMX, so no brgemm: Zen 4/5) it runs 4x MKL's float32 sgemm."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

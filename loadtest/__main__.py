@@ -114,7 +114,7 @@ def served_tokenizer(args) -> str | None:
         return None
     if args.model:
         return os.path.abspath(args.model)
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     return default_model_path()
 

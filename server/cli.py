@@ -153,7 +153,7 @@ def _is_loopback(host: str) -> bool:
 def serve(args: argparse.Namespace) -> int:
     """Bind the port, start the engine (the model loads), then serve. A failure the user can fix
     is one line on stderr and exit 2; 1 when the engine died while serving."""
-    from engine.default_model import USER_ERRORS
+    from engine.loading.default_model import USER_ERRORS
     from server.connections import connection_limit, raise_open_files_limit
 
     log_level = getattr(args, "log_level", "INFO")
@@ -194,9 +194,9 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     """The engine (not started yet) and the uvicorn server around its app."""
     import uvicorn
 
-    from engine.default_model import USER_ERRORS
     from engine.frontend.async_engine import AsyncEngine
     from engine.frontend.data_parallel import DataParallelCore
+    from engine.loading.default_model import USER_ERRORS
     from server.app import build_app
     from server.connections import ConnectionTable
     from server.http_protocol import HTTPProtocol, ReadTimeouts

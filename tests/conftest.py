@@ -46,7 +46,7 @@ def _guard_device_auto() -> None:
     tests/gpu/ and tests marked device_auto mean "auto". Engines in child processes (servers,
     parallel ranks) are not seen here: tests/server/server_harness.py and
     tests/parallel/helpers.py pin those."""
-    from engine import model_runner
+    from engine.runner import model_runner
 
     real = model_runner.resolve_device
     if getattr(real, "guards_device_auto", False):

@@ -18,7 +18,7 @@ import pytest
 from engine.arg_utils import engine_config_from_args, parse_bytes
 from engine.cli import build_parser, main
 from engine.config import EngineConfig
-from engine.loader import ModelFolderError, check_safetensors_file, resolve_model
+from engine.loading.loader import ModelFolderError, check_safetensors_file, resolve_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30
@@ -338,7 +338,7 @@ def test_serve_exits_1_when_the_engine_dies(tiny):
 
     import httpx
 
-    code = ("import sys; from engine.core import EngineCore\n"
+    code = ("import sys; from engine.core.engine_core import EngineCore\n"
             "def step(self): raise RuntimeError('injected failure')\n"
             "EngineCore.step = step\n"
             "from engine.cli import main\n"

@@ -16,13 +16,13 @@ def test_an_engine_left_on_auto_fails_its_test(tiny_model_dir):
 
 
 def test_a_named_device_is_untouched():
-    from engine.model_runner import resolve_device
+    from engine.runner.model_runner import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.device_auto
 def test_the_marker_lets_auto_resolve():
-    from engine.model_runner import resolve_device
+    from engine.runner.model_runner import resolve_device
 
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

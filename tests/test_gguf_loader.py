@@ -1,4 +1,4 @@
-"""GGUF loading (engine/gguf_loader.py) and the embedded default model (engine/default_model.py)."""
+"""GGUF loading (engine/loading/gguf_loader.py) and the embedded default model (engine/loading/default_model.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import default_model, user_cache
-from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
-from engine.gguf_loader import load_gguf
+from engine.loading import default_model, user_cache
+from engine.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
+from engine.loading.gguf_loader import load_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +146,7 @@ def test_a_type_nothing_reads_is_refused_before_any_plan_is_logged(tmp_path, cap
 def test_stored_dtype_of_the_default_file_and_its_folder():
     """The Q4_1 file reads as a 16-bit checkpoint (what the CPU's dtype "auto" takes as bf16 where
     native), the float32 folder converted from it as float32."""
-    from engine.loader import stored_dtype
+    from engine.loading.loader import stored_dtype
 
     assert stored_dtype(default_gguf_path()) == "bfloat16"
     assert stored_dtype(default_model_path()) in ("float32", None)  # None: a cache converted before dtype was written
@@ -259,7 +259,7 @@ def converted(tmp_path_factory):
     """Two processes ask for the default model at once in an empty cache: (their outputs, cache root)."""
     root = str(tmp_path_factory.mktemp("pagewise-cache"))
     env = {**os.environ, "PAGEWISE_CACHE_DIR": root, "PYTHONPATH": ROOT}
-    code = "from engine.default_model import default_model_path; print(default_model_path())"
+    code = "from engine.loading.default_model import default_model_path; print(default_model_path())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -341,7 +341,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(monkeypatch, tmp_path, caplog):
     """The oracle is transformers' own conversion from the file: the cached copy must tokenize,
     decode and name its special tokens exactly as it does; an unwritable cache only costs time."""
-    from engine.gguf_loader import gguf_tokenizer
+    from engine.loading.gguf_loader import gguf_tokenizer
 
     path = default_gguf_path()
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(tmp_path / "cache"))
@@ -360,7 +360,7 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(monkeypatch, 
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("PAGEWISE_CACHE_DIR", str(blocked / "cache"))  # under a file: makedirs fails
-    with caplog.at_level("INFO", logger="engine.gguf_loader"):
+    with caplog.at_level("INFO", logger="engine.loading.gguf_loader"):
         again = gguf_tokenizer(path)
     assert again(text).input_ids == converted(text).input_ids
     assert "not cached" in caplog.text
@@ -371,8 +371,8 @@ def test_a_tokenizer_folder_replaces_the_files_own(monkeypatch, tmp_path):
     conversion is seconds of start-up, and a cache entry, for nothing)."""
     import transformers
 
-    from engine import gguf_loader
-    from engine.loader import resolve_model
+    from engine.loading import gguf_loader
+    from engine.loading.loader import resolve_model
 
     def refuse(path):
         raise AssertionError("the GGUF's own tokenizer was converted")

@@ -1,33 +1,35 @@
-"""The engine is built in layers, and imports point only downward (DESIGN.md: server -> engine ->
-kernels; inside the engine: front end -> core -> executor -> runner -> models -> layers ->
-distributed -> kernels, with plain data types and the config beneath them all). Checked on the
-import graph read from the source, with no cycle anywhere."""
+"""The engine is built in layers, and imports point only downward (server -> engine -> kernels;
+inside the engine: front end -> core -> executor -> runner -> loading -> models -> layers ->
+distributed -> kernels, with plain data types and the config beneath them all). Each layer is a folder
+of engine/ (the root keeps only entry points and plain data); checked on the import graph read from
+the source, with no cycle anywhere."""
 
 from __future__ import annotations
 
 import ast
+import glob
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = os.path.join(ROOT, "engine")
+MAX_ROOT_MODULES = 12  # entry points and plain data; everything else lives in its layer's folder
 
-# Top to bottom: a module may import its own layer or any below it, never one above.
+# Top to bottom: a module may import its own layer or any below it, never one above. Inside engine/
+# a layer is a list of folders; the only modules named one by one are the root's and planning's CLI.
 LAYERS = [
-    ("entry points", ["server", "loadtest", "engine.cli", "engine.__main__", "engine.torchrun", "engine.bench",
-                      "engine.planning.cli", "engine.planning.__main__", "engine"]),
+    ("entry points", ["server", "loadtest", "engine", "engine.__main__", "engine.cli", "engine.torchrun",
+                      "engine.bench", "engine.planning.cli", "engine.planning.__main__"]),
     ("front end", ["engine.frontend"]),
-    ("core", ["engine.core", "engine.scheduler", "engine.kv_cache"]),
+    ("core", ["engine.core"]),
     ("executor", ["engine.executor"]),
-    ("runner", ["engine.model_runner", "engine.kv_sizing", "engine.step_inputs", "engine.step_outputs",
-                "engine.runner_streams", "engine.cuda_graphs",
-                "engine.sampler", "engine.structured_output", "engine.bad_words", "engine.host_memory"]),
-    ("models", ["engine.models", "engine.loader", "engine.weights", "engine.safetensors_slices", "engine.gguf_loader",
-                "engine.gguf_header", "engine.default_model", "engine.user_cache"]),
+    ("runner", ["engine.runner", "engine.structured_output"]),
+    ("loading", ["engine.loading"]),
+    ("models", ["engine.models"]),
     ("layers", ["engine.layers", "engine.quant"]),  # quant: weight formats and the matmuls that read them
     ("distributed", ["engine.distributed"]),
     # planning is plain arithmetic: the engine sizes its KV cache with it (its CLI is an entry point).
-    ("data, config and formulas", ["engine.config", "engine.arg_utils", "engine.sampling_params", "engine.moe_config",
-                                   "engine.cpu_threads",
-                                   "engine.request", "engine.outputs", "engine.scheduler_output",
+    ("data, config and formulas", ["engine.arg_utils", "engine.config", "engine.moe_config", "engine.outputs",
+                                   "engine.request", "engine.sampling_params", "engine.scheduler_output",
                                    "engine.planning"]),
     ("kernels", ["kernels"]),
 ]
@@ -104,3 +106,24 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _named() -> list[str]:
+    return [name for _, names in LAYERS for name in names]
+
+
+def test_every_engine_folder_is_one_layer():
+    folders = sorted(f"engine.{os.path.basename(os.path.dirname(p))}" for p in glob.glob(f"{ENGINE}/*/__init__.py"))
+    named = _named()
+    assert [f for f in folders if named.count(f) != 1] == [], "each engine/ folder is named in exactly one layer"
+    assert [n for n in named if n.count(".") == 1 and n.startswith("engine.")
+            and n not in folders and not os.path.exists(os.path.join(ENGINE, n.split(".")[1] + ".py"))] == [], \
+        "LAYERS names an engine/ folder or module that does not exist"
+
+
+def test_engine_root_holds_entry_points_and_plain_data_only():
+    root = sorted(f"engine.{os.path.basename(p)[:-3]}" for p in glob.glob(f"{ENGINE}/*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at engine/'s root: move some into a layer's folder"
+    named = _named()
+    # each root module is named by itself (the package's __init__ is "engine"), never by a folder
+    assert [m for m in root if named.count(m.replace(".__init__", "")) != 1] == []

@@ -12,9 +12,9 @@ import random
 import sys
 import time
 
-import engine.weights as weights
+import engine.loading.weights as weights
 from engine import LLM
-from engine.default_model import default_gguf_path
+from engine.loading.default_model import default_gguf_path
 from engine.sampling_params import SamplingParams
 
 

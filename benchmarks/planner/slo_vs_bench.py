@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--wait-minutes", type=float, default=20)
     p.add_argument("--output", required=True)
     args = p.parse_args()
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     model = default_model_path()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

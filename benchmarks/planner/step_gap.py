@@ -41,8 +41,8 @@ def engine_decode(core, forward: list[float], c: int, rng: random.Random) -> tup
 
 def main() -> int:
     from engine.bench.step_overhead import timed_forward
-    from engine.default_model import default_model_path
     from engine.frontend.llm import LLM
+    from engine.loading.default_model import default_model_path
     from engine.planning.measure import measure_cpu
     from engine.planning.slo import decode_step_seconds
     from engine.planning.spec import ModelSpec

@@ -12,7 +12,7 @@
 # (benchmarks/llamacpp/to_bf16_gguf.py), whose "kind" is then only a label (no block matmuls).
 # EXTRA: more flags for pagewise, e.g. "--kv-cache-dtype float16" (llama.cpp's default KV type).
 set -eu
-G=${MODEL:-$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")}
+G=${MODEL:-$(python -c "from engine.loading.default_model import default_gguf_path; print(default_gguf_path())")}
 ROUNDS=${ROUNDS:-5}
 THREADS=${THREADS:-2}
 KINDS=${KINDS:-int16}

@@ -23,7 +23,7 @@ import statistics
 import time
 
 from engine import LLM, SamplingParams
-from engine.default_model import default_gguf_path, default_model_path
+from engine.loading.default_model import default_gguf_path, default_model_path
 
 PROMPTS = [
     "The capital of France is", "Write a haiku about rain.", "Explain photosynthesis to a child.",

@@ -3,7 +3,7 @@
 # (EngineConfig.cpu_fused_layers, the default) against the modules op by op, alternating in one
 # run, then llama-bench on the same file with the same threads. JSON: benchmarks/quant/fused-*.json.
 set -eu
-G=$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")
+G=$(python -c "from engine.loading.default_model import default_gguf_path; print(default_gguf_path())")
 PAIRS=${PAIRS:-3}
 THREADS=${THREADS:-2}
 LLAMA_BENCH=${LLAMA_BENCH:-/opt/llamacpp/bin/llama-bench}

@@ -14,7 +14,7 @@ import time
 
 def main() -> None:
     from engine import LLM, SamplingParams
-    from engine.default_model import default_gguf_path
+    from engine.loading.default_model import default_gguf_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)

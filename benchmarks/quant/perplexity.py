@@ -26,7 +26,7 @@ import os
 import time
 
 from engine import LLM, SamplingParams
-from engine.default_model import default_gguf_path, default_model_path
+from engine.loading.default_model import default_gguf_path, default_model_path
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "perplexity_text.txt")
 

@@ -80,7 +80,7 @@ def run_ops_builds(args, builds: dict) -> None:
 def alternate(args, builds: dict, choose) -> None:
     """Rounds of one greedy request, the arms alternating (choose(build) switches); decode tok/s each."""
     from engine import LLM, SamplingParams
-    from engine.default_model import default_gguf_path
+    from engine.loading.default_model import default_gguf_path
 
     assert builds["old"] is not builds["new"]
     # No prefix cache: a repeated prompt would skip its prefill, and a 16-bit model's tokens can then

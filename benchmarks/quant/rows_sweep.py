@@ -15,7 +15,7 @@ import time
 import gguf
 import torch
 
-from engine.default_model import default_gguf_path
+from engine.loading.default_model import default_gguf_path
 from kernels import cpu_quant
 
 

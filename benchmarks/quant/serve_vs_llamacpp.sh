@@ -9,7 +9,7 @@
 # median ratio per concurrency) is printed and written to $OUT/summary.json.
 # EXTRA: more flags for pagewise's server and the client, e.g. "--kv-cache-dtype float16".
 set -eu
-G=${MODEL:-$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")}
+G=${MODEL:-$(python -c "from engine.loading.default_model import default_gguf_path; print(default_gguf_path())")}
 ROUNDS=${ROUNDS:-3}
 CONCURRENCY=${CONCURRENCY:-8,32}
 PROMPTS=${PROMPTS:-64}

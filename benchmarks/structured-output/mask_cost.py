@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 import kernels
 from engine.config import EngineConfig
-from engine.loader import resolve_model
+from engine.loading.loader import resolve_model
 from engine.sampling_params import GrammarSpec
 from engine.structured_output import StructuredOutputs
 from kernels import reference

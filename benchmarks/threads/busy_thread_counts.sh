@@ -6,7 +6,7 @@
 # counts would give instead. JSON and logs per run in OUT; a line per run on stdout.
 #   bash benchmarks/threads/busy_thread_counts.sh benchmarks/threads/s18
 set -u
-G=$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")
+G=$(python -c "from engine.loading.default_model import default_gguf_path; print(default_gguf_path())")
 OUT=$1; mkdir -p "$OUT"
 JOB="--backend engine --model $G --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
 run() { local label=$1; shift

@@ -1,5 +1,5 @@
 """`engine bench throughput` on the default model's Q4_1 file (64 x 128/128) with the thread
-follower traced: its choices (DEBUG lines of engine.cpu_threads) and, per kind of step and thread
+follower traced: its choices (DEBUG lines of engine.runner.cpu_threads) and, per kind of step and thread
 count, the steps, tokens and step seconds it ran, printed to stderr at exit. Run it beside busy
 loops (or another engine) to see what the follower chose and what each choice got.
 
@@ -19,9 +19,9 @@ import sys
 import time
 from collections import defaultdict
 
-import engine.cpu_threads as cpu_threads
+import engine.runner.cpu_threads as cpu_threads
 from engine.cli import main
-from engine.default_model import default_gguf_path
+from engine.loading.default_model import default_gguf_path
 
 
 def _trace_steps() -> list[tuple[str, str, int, float]]:
@@ -60,7 +60,7 @@ def run() -> int:
     if args.no_bind:
         cpu_threads._bind_team = cpu_threads._bind_nothing
     logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7.0f ms %(message)s")
-    logging.getLogger("engine.cpu_threads").setLevel(logging.DEBUG)
+    logging.getLogger("engine.runner.cpu_threads").setLevel(logging.DEBUG)
     steps = _trace_steps()
     atexit.register(_report, steps)
     started = time.monotonic()

@@ -22,7 +22,7 @@ import time
 def main() -> None:
     mode = sys.argv[1]
     from engine import LLM, SamplingParams
-    from engine.default_model import default_gguf_path
+    from engine.loading.default_model import default_gguf_path
     from kernels import cpu_build
 
     llm = LLM(default_gguf_path(), **({} if mode == "default" else {"num_threads": 1}))

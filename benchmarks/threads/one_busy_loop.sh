@@ -5,7 +5,7 @@
 #   benchmarks/threads/one_busy_loop.sh BEFORE MAIN OUT [ROUNDS]
 set -u
 BEFORE=$1 MAIN=$2 OUT=$(cd "$3" && pwd) ROUNDS=${4:-3}
-G=$(python -c "from engine.default_model import default_gguf_path; print(default_gguf_path())")
+G=$(python -c "from engine.loading.default_model import default_gguf_path; print(default_gguf_path())")
 JOB="--backend engine --model $G --num-prompts 64 --input-len 128 --output-len 128 --disable-tqdm"
 python -c "while True: pass" &
 BUSY=$!

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The load-following thread count (engine/cpu_threads.py, LoadFollower) against the bounded spin
+# The load-following thread count (engine/runner/cpu_threads.py, LoadFollower) against the bounded spin
 # alone, under one busy loop per CPU and as two engines side by side; the default model's float
 # folder in float32 (the engine's CPU default). BEFORE and AFTER are checkouts, as in shared_cpus.sh:
 #   benchmarks/threads/probing_vs_spin.sh /tmp/before /work/main benchmarks/threads/s8

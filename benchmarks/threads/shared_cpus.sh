@@ -1,6 +1,6 @@
 #!/bin/bash
 # Throughput of the default model on a quiet machine and on shared CPUs, before and after the
-# thread changes (engine/cpu_threads.py). BEFORE and AFTER are checkouts (git worktrees) of the two
+# thread changes (engine/runner/cpu_threads.py). BEFORE and AFTER are checkouts (git worktrees) of the two
 # commits; each run is `engine bench throughput` from that checkout, so each gets its own code.
 #   benchmarks/threads/shared_cpus.sh /tmp/before /work/main benchmarks/threads
 # DTYPE (default bfloat16) picks the model's dtype; MODEL another model (default: the default model's float32

@@ -43,7 +43,7 @@ def measure(model: str, tp: int, pp: int, micro_batches: int, num_prompts: int, 
 
 def main(argv: list[str] | None = None) -> None:
     from engine.arg_utils import ArgumentParser
-    from engine.default_model import USER_ERRORS
+    from engine.loading.default_model import USER_ERRORS
 
     p = ArgumentParser(prog="python -m engine.bench.bubble", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model folder or .gguf file (default: the embedded default model)")

@@ -71,7 +71,7 @@ def check_vllm(vllm_python: str | None) -> None:
 def check_llamacpp(args, server: bool) -> None:
     """The llama-server binary (server) or the llama_cpp module exists, and a GGUF file to run."""
     from engine.bench.backends import llamacpp
-    from engine.default_model import USER_ERRORS
+    from engine.loading.default_model import USER_ERRORS
 
     try:
         if server:

@@ -43,7 +43,7 @@ def build_random_model(path: str, preset: str = "llama-350m", tokenizer: str | N
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     if tokenizer is None:
-        from engine.default_model import default_model_path
+        from engine.loading.default_model import default_model_path
 
         tokenizer = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer)

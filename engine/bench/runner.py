@@ -27,7 +27,7 @@ def resolve_model(model: str | None) -> str:
     if model:
         return os.path.expanduser(model)
     try:
-        from engine.default_model import default_model_path
+        from engine.loading.default_model import default_model_path
 
         return str(default_model_path())
     except (ImportError, OSError) as e:
@@ -36,11 +36,11 @@ def resolve_model(model: str | None) -> str:
 
 def resolve_dtype(dtype: str, device: str = "auto", model: str | None = None) -> str:
     """The dtype every backend of a run computes in: the engine's own reading of "auto" for this
-    model on this device (engine.model_runner.resolve_dtype), named, so the peers get the same."""
+    model on this device (engine.runner.model_runner.resolve_dtype), named, so the peers get the same."""
     if dtype != "auto":
         return dtype
-    from engine.loader import stored_dtype
-    from engine.model_runner import resolve_device, resolve_dtype as engine_dtype
+    from engine.loading.loader import stored_dtype
+    from engine.runner.model_runner import resolve_device, resolve_dtype as engine_dtype
 
     try:  # a served model's name (bench serve against a URL) has no folder to read: CPU "auto" -> float32
         stored = stored_dtype(model) if model else None

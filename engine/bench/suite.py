@@ -75,7 +75,7 @@ def vllm_python() -> str:
 
 def default_gguf() -> str:
     try:
-        from engine.default_model import default_gguf_path
+        from engine.loading.default_model import default_gguf_path
 
         return str(default_gguf_path())
     except Exception:  # the default model's package missing: the command still prints

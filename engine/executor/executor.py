@@ -24,14 +24,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.model_runner import ModelRunner, resolve_device
 from engine.distributed import pipeline
 from engine.distributed.groups import destroy_distributed, init_distributed
 from engine.distributed.layout import ParallelLayout, check_layout, launched_by_torchrun
-from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.distributed.state import reset_parallel_state, world_state
+from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.executor.step import REPORT, STEP, STOP, StepMessage, split_micro_batches
 from engine.executor.worker import rank_report, worker_main
+from engine.runner.model_runner import ModelRunner, resolve_device
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -15,21 +15,21 @@ import time
 
 import torch.distributed as dist
 
-from engine.layers.linear import resident_bytes, storage_bytes
-from engine.layers.moe import packed_expert_bytes
 from engine.distributed import pipeline
 from engine.distributed.groups import destroy_distributed, init_distributed
 from engine.distributed.layout import ParallelLayout
 from engine.distributed.state import pp_state, tp_state
 from engine.executor.step import REPORT, STOP, StepMessage
+from engine.layers.linear import resident_bytes, storage_bytes
+from engine.layers.moe import packed_expert_bytes
 
 logger = logging.getLogger(__name__)
 
 
 def worker_main(rank: int, layout: ParallelLayout, config, init_method: str, local_rank: int) -> None:
     """A follower process: join the replica, build this rank's shard, follow until told to stop."""
-    from engine.loader import source_for
-    from engine.model_runner import ModelRunner, resolve_device
+    from engine.loading.loader import source_for
+    from engine.runner.model_runner import ModelRunner, resolve_device
 
     source = source_for(config)
     control = init_distributed(layout, rank, resolve_device(config.device), init_method, local_rank,

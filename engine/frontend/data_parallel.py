@@ -21,12 +21,12 @@ import multiprocessing.connection
 import os
 import time
 
-from engine.core import check_request
+from engine.core.engine_core import check_request
 from engine.distributed.layout import check_layout
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.frontend.replica import replica_main
 from engine.frontend.router import Router
-from engine.loader import source_for
+from engine.loading.loader import source_for
 from engine.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.kv_cache import block_hash
+from engine.core.kv_cache import block_hash
 
 
 class Router:

@@ -6,9 +6,9 @@ replica all start their core here."""
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.executor.executor import make_executor
-from engine.loader import source_for
+from engine.loading.loader import source_for
 from kernels import cpu_build
 
 

@@ -5,7 +5,7 @@ without the modules' Python.
 On a slow core the Llama modules' Python and dispatch around a layer's ten kernel calls cost
 about 250 us a layer, a large share of a batch-1 decode step. The C++ loop calls the same kernels
 on the same tensors, so its hidden states are the modules' bit for bit
-(tests/engine/test_cpu_fused_layers.py). It is taken only where that holds, else the modules run:
+(tests/engine/models/test_cpu_fused_layers.py). It is taken only where that holds, else the modules run:
 - statically: every layer the dense Llama-family layer (engine/models/llama.py: Llama, Mistral,
   Qwen2's qkv bias, Qwen3's q/k norms), each weight GGUF blocks the C++ kernels read (a .gguf
   file's own, or --quantization int8/int4) or float (plain, or packed by oneDNN), no bias past

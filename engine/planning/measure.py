@@ -86,7 +86,7 @@ def _dense_curves(backend, torch, kind, spec: ModelSpec, up: int, anchors: tuple
 
     def head_seconds(rows: int) -> float:
         x = torch.randn(rows, h).to(kind)
-        def run():  # then the greedy pick: float32 logits, max over the vocabulary (engine/sampler.py)
+        def run():  # then the greedy pick: float32 logits, max over the vocabulary (engine/runner/sampler.py)
             after()
             backend.linear(x, head_w, None, head_p).to(torch.float32).max(dim=-1)
         return max(0.0, _seconds(run, repeats) - curve[0][1])

@@ -100,7 +100,7 @@ class ServePlan:
 
 def served_len(spec: ModelSpec, requested: int | None) -> tuple[int, bool]:
     """(the context window the engine serves, whether a sliding window cut it): `requested` (or the
-    model's positions), refused past the positions and cut to the window, as engine/model_runner.py
+    model's positions), refused past the positions and cut to the window, as engine/runner/model_runner.py
     does (its attention is always full)."""
     length = requested or spec.max_position_embeddings
     if length > spec.max_position_embeddings:
@@ -115,7 +115,7 @@ def cpu_head_copy(spec: ModelSpec, dtype: str, head_in_blocks: bool) -> bool:
     """Whether the cpu backend holds a tied LM head twice (the embedding's matrix and oneDNN's packed
     copy of it): a float head (`head_in_blocks`: quantized, or a GGUF file's blocks, is not) in float32
     or bfloat16 (oneDNN packs no float16), unless the checkpoint's bfloat16 matrices are kept as stored,
-    which holds them once (engine/weights.py keeps_bf16: in a float32 model, or a bfloat16 one on a CPU
+    which holds them once (engine/loading/weights.py keeps_bf16: in a float32 model, or a bfloat16 one on a CPU
     without AMX)."""
     if not spec.tie_word_embeddings or head_in_blocks:
         return False

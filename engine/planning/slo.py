@@ -166,7 +166,7 @@ def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, con
                   dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1,
                   weight_format: WeightFormat | None = None) -> tuple[list[float], list[float]]:
     """`concurrency` requests arriving together at an idle engine, replayed through the scheduler's rule
-    (engine/scheduler.py, vLLM's: the running first, a token each or their prompt's next chunk, then waiting
+    (engine/core/scheduler.py, vLLM's: the running first, a token each or their prompt's next chunk, then waiting
     prompts while the step's token budget lasts). Returns each request's first-token and last-token times."""
     computed, generated = [0] * concurrency, [0] * concurrency
     first, last = [0.0] * concurrency, [0.0] * concurrency

@@ -72,7 +72,7 @@ class ModelSpec:
     shared_expert_ffn_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others have a dense MLP of ffn_hidden_size
     # Mistral's sliding window where the config turns it on: the engine attends in full, so it serves
-    # no context longer than the window (engine/model_runner.py), and the serving plan does the same.
+    # no context longer than the window (engine/runner/model_runner.py), and the serving plan does the same.
     sliding_window: int | None = None
     checkpoint_dtype: str = ""  # the dtype config.json says the weights are stored in ("" where it says none)
 

@@ -11,7 +11,7 @@ layers' weights, and with `--quantize-lm-head` (WeightFormat.lm_head) the LM hea
 head's matrix) in WeightFormat.head_as; an untied embedding, the LM head by default, norms and biases stay at
 the model's dtype (a GGUF file's own embedding and LM head blocks are held as stored,
 engine/layers/embedding.py), the MoE router in float32, and routed experts at the model's dtype (the engine's
-fused experts have no quantized path: a GGUF's expert blocks are dequantized at load, engine/weights.py). A
+fused experts have no quantized path: a GGUF's expert blocks are dequantized at load, engine/loading/weights.py). A
 tied matrix counts once, as the model's parameters hold it; a float head's packed copy comes on top (oneDNN's
 layout on the cpu backend), while the triton backend's repacked copy of quantized blocks replaces them (a tied
 embedding looks its rows up there).

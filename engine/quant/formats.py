@@ -166,7 +166,7 @@ FORMATS = {f.name: f for f in (
 # A checkpoint's bfloat16 matrix held as stored on the cpu backend (kernels/cpu_quant.cpp: widened in
 # registers for float32 activations, bf16 dot products for bf16 ones where the CPU has them): half
 # float32's bytes, the same values. Blocks of 32 so the block kernels serve it; not a GGUF
-# quantized type, so not in FORMATS (engine/weights.py keep_bf16 chooses it).
+# quantized type, so not in FORMATS (engine/loading/weights.py keep_bf16 chooses it).
 BF16 = BlockFormat("BF16", 64, _widen_bf16)
 # Every format a checkpoint tensor can be held in as stored, by its type name (GGUF's and safetensors'
 # name for bfloat16 is BF16 too).

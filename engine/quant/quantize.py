@@ -16,7 +16,7 @@ Rounding: d (and m) are rounded to fp16 first and q is computed against the roun
 kernels' w' = d * q (+ m) misses w by q's rounding alone, |w - w'| <= d / 2, except where q is
 clamped at an end of the range because fp16 rounded d down (or m up): there the miss is at most
 127 |d - amax / 127| (int8) or 15 |d - (max - min) / 15| + |m - min| (int4), i.e. 2^-11 of the
-values concerned in fp16's normal range. tests/engine/test_weight_quantization.py checks both the
+values concerned in fp16's normal range. tests/engine/quant/test_weight_quantization.py checks both the
 blocks (byte for byte against a float64 reference) and this bound.
 
 fp8 (e4m3 with a float32 scale per tensor, vLLM's) is engine/quant/fp8.py's, in its F8_E4M3 blocks.
@@ -135,7 +135,7 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
 def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
     """GGUF's own Q8_0 (a scale per 32 weights), as llama.cpp's quantizer and gguf-py's compute it: in
     float32, d = amax(|block|) / 127, q = w * (1 / d) rounded half away from zero, d stored as fp16.
-    Byte for byte gguf.quants.quantize's (tests/engine/test_weight_quantization.py)."""
+    Byte for byte gguf.quants.quantize's (tests/engine/quant/test_weight_quantization.py)."""
     n, k = w.shape
     out = []
     for rows in _row_chunks(w, torch.float32):

@@ -86,7 +86,7 @@ def test_slot_context_pads_like_llama_cpp_and_honours_max_model_len():
 
 
 def test_gguf_file_behind_the_model(tmp_path, gguf, monkeypatch):
-    import engine.default_model as dm
+    import engine.loading.default_model as dm
 
     default_gguf = tmp_path / "default.gguf"
     default_gguf.write_bytes(b"GGUF")
@@ -197,7 +197,7 @@ def _server_or_none() -> str | None:
 
 def _default_gguf_or_none() -> str | None:
     try:
-        from engine.default_model import default_gguf_path
+        from engine.loading.default_model import default_gguf_path
 
         return default_gguf_path()
     except ImportError:
@@ -253,7 +253,7 @@ def test_llama_cpp_python_greedy_decode_matches_transformers(bench):
     import torch
     import transformers
 
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     folder = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(folder)

@@ -25,9 +25,9 @@ def loaded_model(path, keep_bf16: bool = False, **source):
     (gguf_weights, quantization, ...), keep_bf16 to checkpoint_tensors."""
     import torch
 
-    from engine.loader import resolve_model
+    from engine.loading.loader import resolve_model
+    from engine.loading.weights import checkpoint_tensors, load_weights
     from engine.models.registry import model_class
-    from engine.weights import checkpoint_tensors, load_weights
 
     resolved = resolve_model(str(path), **source)
     with torch.device("cpu"):

@@ -152,7 +152,7 @@ def check_steps_after_warmup() -> int:
     """No step of a served model needs a binary the start-up warm-up did not build: record the
     warm-up's launches, then the launches of steps of many batch shapes (1 to 65 sequences, decodes,
     prefill chunks, block tables 1 to 128 blocks wide, metadata at 8-byte offsets into a staging
-    buffer as engine/step_inputs.py lays it out), laid out as the model lays out its tensors, and
+    buffer as engine/runner/step_inputs.py lays it out), laid out as the model lays out its tensors, and
     compare what triton.jit would cache each by. Prints every launch that would compile anew.
     Quantized linears likewise: the warm-ups' launches for a 1B model's int4 / int8 layer shapes
     (repacked: triton_quant_packed) and a Q6_K LM head (blocks: triton_quant), then those layers at

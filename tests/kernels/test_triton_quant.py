@@ -1,6 +1,6 @@
 """The Triton weight-only matmul on GGUF blocks (kernels/triton_quant.py) against its oracle:
 gguf.quants.dequantize (llama.cpp's own decoder) of the same bytes (fp8's F8_E4M3 blocks, which
-GGUF lacks: torch's e4m3 decoding, checked against the spec in tests/engine/test_fp8_weights.py),
+GGUF lacks: torch's e4m3 decoding, checked against the spec in tests/engine/quant/test_fp8_weights.py),
 rounded to x's dtype as engine.quant rounds them, then a float64 matmul; and the engine on the
 triton backend with
 `--quantization int8 | int4` against the same engine on the torch backend (dequantize-then-F.linear).

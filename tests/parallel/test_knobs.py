@@ -20,7 +20,7 @@ FLAGS = ("--pipeline-micro-batches", "--pipeline-layer-partition", "--distribute
 
 # PAGEWISE_ variables a module may read, and why none of them is an engine knob.
 ALLOWED_ENV = {
-    "user_cache.py": {"PAGEWISE_CACHE_DIR"},  # where derived files (the default model, GGUF tokenizers) are cached
+    "loading/user_cache.py": {"PAGEWISE_CACHE_DIR"},  # where the default model and GGUF tokenizers are cached
     "bench/backends/openai_http.py": {"PAGEWISE_API_KEY"},  # the bench client's credential
     "bench/cli.py": {"PAGEWISE_API_KEY"},  # named in --api-key's help
     "config.py": set(REMOVED_ENV_KNOBS),  # only to warn that they are no longer read

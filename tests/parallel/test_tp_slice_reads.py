@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights import SafetensorsFolder
-from engine.safetensors_slices import SafetensorsSlice
+from engine.loading.safetensors_slices import SafetensorsSlice
+from engine.loading.weights import SafetensorsFolder
 from tests.parallel.read_counting import READS_DIR_ENV, count_checkpoint_reads, counting_worker_main
 
 TP = 2

@@ -124,7 +124,7 @@ def test_importing_planning_does_not_import_torch():
 
 def test_a_sliding_window_limits_the_planned_context_as_the_engine_does(tmp_path):
     """A config whose sliding window is on is served (full attention) no longer than the window:
-    engine/model_runner.py's rule, which the plan used to skip (planned at max_position_embeddings)."""
+    engine/runner/model_runner.py's rule, which the plan used to skip (planned at max_position_embeddings)."""
     import json
 
     cfg = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

@@ -12,8 +12,8 @@ import pytest
 
 from engine.planning import ModelSpec
 from engine.planning.cli import main
-from engine.planning.slo import Device, decode_step_seconds
 from engine.planning.serving import kv_bytes_per_token
+from engine.planning.slo import Device, decode_step_seconds
 from engine.planning.weight_formats import ENGINE_FORMATS, FORMATS, GGUF_FORMATS, weight_bytes_per_gpu
 from tests.planning.plan_cli import plan as plan_process
 from tests.tiny_model import build_tiny_model
@@ -125,7 +125,7 @@ def tiny_tied(tmp_path_factory):
 @pytest.mark.parametrize("tied,lm_head", [(False, False), (False, True), (True, True)])
 def test_plan_serve_weights_equal_what_the_engine_quantizes_at_load(capsys, request, method, tied, lm_head):
     """--quantize-lm-head: the head's matrix (a tied embedding) in the format too; an untied embedding stays float."""
-    from engine.loader import resolve_model
+    from engine.loading.loader import resolve_model
 
     if "quantization" not in inspect.signature(resolve_model).parameters:
         pytest.skip("this engine has no --quantization yet")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine.frontend.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from engine.config import EngineConfig
+from engine.frontend.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
 from engine.outputs import CoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -224,7 +224,7 @@ def test_shutdown_finishes_then_aborts_with_a_final_event():
 def test_loop_death_fails_pending_requests_promptly(tiny_model_dir, caplog):
     """A failing step (injected into the real core) errors every pending request at once, turns
     health off, logs the traceback, and refuses new work."""
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.frontend.startup import build_engine_core
 
     class FailingCore(EngineCore):
@@ -266,7 +266,7 @@ def test_loop_death_over_http_gives_500_and_unhealthy(tiny_model_dir, caplog):
     """Through the app: the in-flight request gets an OpenAI-shaped 500 without internals, /health 503."""
     from fastapi.testclient import TestClient
 
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.frontend.startup import build_engine_core
     from server.app import build_app
 

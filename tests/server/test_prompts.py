@@ -83,7 +83,7 @@ def smollm2():
     """The default model's tokenizer (ChatML control tokens, special in its vocabulary)."""
     from transformers import AutoTokenizer
 
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path())
 

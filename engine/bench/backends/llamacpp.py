@@ -55,8 +55,8 @@ def find_server(path: str | None) -> str:
 
 
 def _is_default_model_folder(model: str) -> bool:
-    from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
-    from engine.user_cache import cache_dir
+    from engine.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from engine.loading.user_cache import cache_dir
 
     real = os.path.realpath(model)
     # A cheap test first: default_model_path() converts the model when it is not yet cached,
@@ -69,7 +69,7 @@ def _is_default_model_folder(model: str) -> bool:
 
 def resolve_gguf(args) -> str:
     """The GGUF file llama.cpp runs, as an absolute path; ValueError naming the flag when there is none."""
-    from engine.default_model import default_gguf_path
+    from engine.loading.default_model import default_gguf_path
 
     given = getattr(args, "llamacpp_gguf", None)
     if given:

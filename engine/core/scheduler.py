@@ -1,0 +1,222 @@
+"""Token-budget scheduler: running requests first (decodes and unfinished prefill chunks),
+then waiting prompts, chunked to fit the budget; preempts the newest request when blocks run out.
+
+It owns the KV cache manager: it allocates a request's blocks when it schedules it, hashes the
+blocks a step filled, forks the prompt's blocks to an n > 1 request's other choices, and frees
+a request's blocks when it is preempted or ends. Nothing else changes block ownership.
+
+Its output is plain data (engine/scheduler_output.py): a stream goes to the runner whole once,
+then only what changed; it tracks on each Request what the runner already holds."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.core.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, cpu: bool = False):
+        """`cpu`: the step runs on CPU, where its prefill is also held to config.cpu_max_prefill_*."""
+        self.max_num_seqs = config.max_num_seqs
+        self.token_budget = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        limited = cpu and self.chunked_prefill
+        self.prefill_token_budget = config.cpu_max_prefill_tokens if limited else None
+        self.prefill_attention_budget = config.cpu_max_prefill_attention if limited else None
+        self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)  # in the step being scheduled
+        self.max_model_len = max_model_len
+        self.kv = kv
+        # Finished (aborted) requests stay in the deque until they reach its head, so that an
+        # abort costs O(1) however long the queue is; num_waiting counts the live ones.
+        self.waiting: deque[Request] = deque()
+        self.num_waiting = 0
+        self.num_waiting_seqs = 0  # an unforked n > 1 request becomes n sequences when it runs
+        self.running: list[Request] = []  # oldest first: the last one is preempted first
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # prefill steps that did not reach the end of the prompt
+        self.num_scheduled_tokens = 0  # tokens run through the model, prefill and decode
+        # The step in progress (schedule() to update_computed()): what it runs, by stream key the
+        # streams it samples (forks included), and the choices it forked, for the core to adopt.
+        self.scheduled: list[tuple[Request, int]] = []
+        self.step_streams: dict[str, Request] = {}
+        self.forked: list[Request] = []
+        self._finished_ids: list[str] = []  # streams the runner still holds, to name in the next output
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._enqueue(request, front=False)
+
+    def _fork(self, first: Request, num_computed: int, out: SchedulerOutput) -> None:
+        """`first`'s prompt completes in this step: give its other choices the prompt's blocks, to
+        sample from the same logits row now and decode from the next step. A partial last block
+        is copied after the forward; a choice that finds no block free for that copy waits and
+        recomputes its prompt."""
+        first.forked = True
+        for i in range(1, first.sampling_params.n):
+            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
+            child.forked = True
+            self.forked.append(child)
+            copies = self.kv.fork(first, child, num_computed)
+            if copies is None:
+                self.add(child)
+                continue
+            child.status = RequestStatus.RUNNING
+            child.num_sent_tokens, child.num_sent_blocks = child.num_tokens, len(child.block_ids)
+            out.forks.append((first.key, self._new_data(child)))
+            out.block_copies += copies
+            self.step_streams[child.key] = child
+
+    def update_computed(self) -> None:
+        """After the forward: the scheduled tokens' K/V are in the cache; hash the blocks they
+        filled. Forked choices join the running ones (they decode from the next step)."""
+        for req, n in self.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+        self.running += [c for c in self.forked if c.status == RequestStatus.RUNNING]
+        self.scheduled, self.forked = [], []
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequence slots the running requests hold (an unforked parent in its prefill holds n)."""
+        return sum(self._seqs(r) for r in self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.num_waiting or self.running)
+
+    @staticmethod
+    def _seqs(req: Request) -> int:
+        return 1 if req.forked else req.sampling_params.n
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+        self.num_waiting += 1
+        self.num_waiting_seqs += self._seqs(req)
+
+    def _pop_waiting(self) -> None:
+        req = self.waiting.popleft()
+        self.num_waiting -= 1
+        self.num_waiting_seqs -= self._seqs(req)
+
+    def _drop_finished_head(self) -> None:
+        while self.waiting and self.waiting[0].is_finished:
+            self.waiting.popleft()  # already uncounted by finish()
+
+    def _prefill_limit(self, start: int, n: int) -> int:
+        """The tokens of a chunk of n, after `start` computed ones, that fit what is left of this
+        step's prefill budgets (at least one for the step's first chunk, so that prefill goes on)."""
+        if n == 1 or self.prefill_token_budget is None:
+            return n  # a decode, or no limit
+        tokens, pairs = self._prefill_left
+        first = tokens == self.prefill_token_budget
+        # The largest n with n*start + n*(n+1)/2 pairs within what is left (the quadratic formula).
+        b = 2 * start + 1
+        fit = (math.isqrt(b * b + 8 * pairs) - b) // 2 if pairs > 0 else 0
+        n = max(min(n, tokens, fit), 1 if first else 0)
+        self._prefill_left = (tokens - n, pairs - (n * start + n * (n + 1) // 2))
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.scheduled, self.step_streams, self.forked = [], {}, []
+        self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)
+        budget = self.token_budget
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._prefill_limit(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # this step's prefill budget is spent: its chunk waits for the next step
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self.scheduled.append((req, n))
+                budget -= n
+                i += 1
+        if preempted:  # blocks are short: admit nothing new this step
+            return self._finish_output(out)
+        # An unforked parent in its prefill already holds the slots of its n choices.
+        running_seqs = self.num_running_seqs
+        while budget > 0:
+            self._drop_finished_head()
+            if not self.waiting:
+                break
+            req = self.waiting[0]
+            # Admission refuses n > max_num_seqs, so a request that does not fit now fits later.
+            if running_seqs + self._seqs(req) > self.max_num_seqs:
+                break
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size
+            if not self.chunked_prefill and remaining > budget:
+                break
+            n = self._prefill_limit(req.num_computed_tokens + len(cached) * self.kv.block_size, min(remaining, budget))
+            if n == 0 or not self.kv.allocate_slots(req, n, cached):
+                break
+            if req.status == RequestStatus.WAITING:
+                self.kv.record_prefix_lookup(req, cached)
+            self._pop_waiting()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            running_seqs += self._seqs(req)
+            self.scheduled.append((req, n))
+            budget -= n
+        return self._finish_output(out)
+
+    def _finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Fill the step's plain output from self.scheduled: each stream whole if the runner does
+        not know it, else only what changed since it last went; then the forks."""
+        for req, n in self.scheduled:
+            if req.num_sent_tokens == 0:
+                out.new_reqs.append(self._new_data(req))
+            else:
+                out.cached_reqs.append(CachedRequestData(
+                    req.key, req.token_ids_slice(req.num_sent_tokens, req.num_tokens),
+                    req.block_ids[0 if req.resumed else req.num_sent_blocks:], req.num_computed_tokens, req.resumed))
+            req.num_sent_tokens, req.num_sent_blocks, req.resumed = req.num_tokens, len(req.block_ids), False
+            out.num_scheduled_tokens.append((req.key, n))
+            self.step_streams[req.key] = req
+            if not req.forked and req.num_computed_tokens + n == req.num_tokens:
+                self._fork(req, req.num_tokens, out)
+        if out:  # else nothing runs: the runner hears of the finished streams next time
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        self.num_scheduled_tokens += out.num_tokens
+        self.num_chunked_prefills += sum(1 for r, n in self.scheduled if r.num_computed_tokens + n < r.num_tokens)
+        return out
+
+    @staticmethod
+    def _new_data(req: Request) -> NewRequestData:
+        return NewRequestData(req.key, req.index, req.prompt_token_ids, list(req.output_token_ids),
+                              req.sampling_params, list(req.block_ids), req.num_computed_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Drop the request's KV and queue it first in line; it will recompute its tokens."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.resumed = req.num_sent_tokens > 0  # the runner keeps the stream (its generator) but not its blocks
+        req.status = RequestStatus.PREEMPTED
+        self._enqueue(req, front=True)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks. O(1) for a
+        waiting request (it is skipped when it reaches the head of the queue); running ones are
+        at most max_num_seqs."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.num_waiting -= 1
+            self.num_waiting_seqs -= self._seqs(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.key)

@@ -1,0 +1,122 @@
+"""What a step hands back beyond its forward: sampling (a batch at once, or stream by stream to find
+the one at fault), structured output's grammars, pooled embeddings and prompt logprobs. A mixin of
+ModelRunner (engine/runner/model_runner.py), which runs the forward: it reads the runner's sampler, model,
+source and backend, and a stream whose own data makes one of these raise is reported in the step's
+output (`failed`), so the core fails that request alone."""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from engine.runner.runner_streams import CachedRequestState
+from engine.sampling_params import UnsatisfiableRequestError
+from engine.scheduler_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutputs:
+    @staticmethod
+    def _failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
+        """This stream's own data made the runner raise: report it (the core fails its request alone;
+        as the client's error when its parameters asked for the impossible)."""
+        if isinstance(error, UnsatisfiableRequestError):
+            out.failed.append((state.req_id, type(error).__name__, str(error)))
+            return
+        logger.warning("stream %s failed in the runner: %r", state.req_id, error)
+        out.failed.append((state.req_id, type(error).__name__, None))
+
+    def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
+        """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
+        stream whose own data makes it raise is failed."""
+        offer = self._grammar_offer()
+        for state in streams:
+            p = state.sampling_params
+            if p.structured_outputs is not None and state.grammar is None:
+                try:
+                    self.sampler.grammars = offer.grammars()
+                    state.grammar = self.sampler.grammars.matcher(p.structured_outputs, p.max_tokens,
+                                                                  state.output_token_ids)
+                except Exception as e:
+                    self._failed(out, state, e)
+        failed = {req_id for req_id, *_ in out.failed}
+        keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
+        if len(keep) < len(streams):
+            logits, streams = logits[keep], [streams[i] for i in keep]
+        for state, token in self._sample_rows(out, logits, streams):
+            if state.grammar is not None and not state.grammar.accept_token(token.token_id):
+                # Only a grammar that allows nothing but a banned token gets here (say, EOS under min_tokens).
+                self._failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
+                continue
+            out.sampled.append((state.req_id, token))
+
+    def _sample_rows(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]):
+        """(stream, token) for the streams sampling does not fail."""
+        while streams:
+            try:
+                return list(zip(streams, self.sampler(logits, streams)))
+            except Exception as e:
+                if isinstance(e, UnsatisfiableRequestError) and e.rows:  # it names its rows: they end, the
+                    for i, error in e.rows.items():                      # rest are sampled again at once
+                        self._failed(out, streams[i], error)
+                    keep = [i for i in range(len(streams)) if i not in e.rows]
+                    logits, streams = logits[keep], [streams[i] for i in keep]
+                    continue
+                logger.warning("batched sampling raised; sampling each stream alone to find the one at fault")
+                results = []
+                for i, state in enumerate(streams):
+                    try:
+                        results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
+                    except Exception as e:
+                        self._failed(out, state, e)
+                return results
+        return []
+
+    def _grammar_offer(self):
+        """How this rank builds its grammars (at its first constrained stream), offered to the process
+        at its first step, so that a server in this process compiles ahead of the steps."""
+        offer = getattr(self, "grammar_offer", None)
+        if offer is None:
+            from engine import structured_output
+
+            args = (self.source.tokenizer, self.hf_config.vocab_size, self.source.eos_token_ids,
+                    self.backend.apply_token_bitmask, self.config)  # not self: the registry must not keep it
+            offer = self.grammar_offer = structured_output.offer_sampler(
+                lambda: structured_output.StructuredOutputs(*args))
+        return offer
+
+    def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
+              ends: list) -> None:
+        """Embedding requests: sum each chunk's final hidden states (mean pooling, across chunked
+        prefill steps; a chunk from position 0 starts over, as after a preemption), and once a
+        prompt is done, report the mean or the last token's state, L2-normalised, in float32."""
+        for state, start, a, b in chunks:
+            part = self.model.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
+            state.pooled_sum = part if start == 0 else state.pooled_sum + part
+        for state, row in ends:
+            try:
+                if state.sampling_params.pooling == "mean":
+                    vector = state.pooled_sum / state.num_prompt_tokens
+                else:
+                    vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
+                out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
+            except Exception as e:
+                self._failed(out, state, e)
+
+    @staticmethod
+    def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
+                         rows: torch.Tensor) -> None:
+        """Entries for the prompt tokens these rows score: the token's logprob, plus the top
+        prompt_logprobs of the row."""
+        n_top = state.sampling_params.prompt_logprobs
+        lp = torch.log_softmax(rows, dim=-1)
+        targets = state.prompt_token_ids[first_token:first_token + lp.shape[0]]
+        chosen = lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        entries = [{} for _ in targets]
+        if n_top:
+            vals, top_ids = (x.tolist() for x in torch.topk(lp, n_top, dim=-1))
+            entries = [dict(zip(i, v)) for i, v in zip(top_ids, vals)]
+        for entry, tok, value in zip(entries, targets, chosen):
+            entry[tok] = value
+        out.prompt_logprobs.append((state.req_id, first_token, entries))
