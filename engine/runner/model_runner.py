@@ -173,6 +173,8 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device, self.backend.argmax)
                         if self.last_stage and tp_state().rank == 0 else None)
         self.source = source  # the tokenizer, for grammars (built at the first constrained request)
+        # Offered now, so that a server in this process compiles a grammar before the first step, not in it.
+        self.grammar_offer = self._offer_grammars() if self.sampler is not None else None
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         max_tokens = max(self.backend.padded_num_tokens(config.max_num_batched_tokens), config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),

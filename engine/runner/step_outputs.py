@@ -30,7 +30,7 @@ class StepOutputs:
     def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
         """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
         stream whose own data makes it raise is failed."""
-        offer = self._grammar_offer()
+        offer = self.grammar_offer
         for state in streams:
             p = state.sampling_params
             if p.structured_outputs is not None and state.grammar is None:
@@ -73,18 +73,14 @@ class StepOutputs:
                 return results
         return []
 
-    def _grammar_offer(self):
+    def _offer_grammars(self):
         """How this rank builds its grammars (at its first constrained stream), offered to the process
-        at its first step, so that a server in this process compiles ahead of the steps."""
-        offer = getattr(self, "grammar_offer", None)
-        if offer is None:
-            from engine import structured_output
+        when the runner is built, so that a server in this process compiles ahead of the steps."""
+        from engine import structured_output
 
-            args = (self.source.tokenizer, self.hf_config.vocab_size, self.source.eos_token_ids,
-                    self.backend.apply_token_bitmask, self.config)  # not self: the registry must not keep it
-            offer = self.grammar_offer = structured_output.offer_sampler(
-                lambda: structured_output.StructuredOutputs(*args))
-        return offer
+        args = (self.source.tokenizer, self.hf_config.vocab_size, self.source.eos_token_ids,
+                self.backend.apply_token_bitmask, self.config)  # not self: the registry must not keep it
+        return structured_output.offer_sampler(lambda: structured_output.StructuredOutputs(*args))
 
     def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
               ends: list) -> None:

@@ -206,3 +206,17 @@ def test_a_grammar_with_a_lone_surrogate_is_refused_without_codec_text():
     with pytest.raises(ValueError, match=r"^structured_outputs: the grammar holds text that is not valid UTF-8") as e:
         to_grammar(GrammarSpec("grammar", 'root ::= "\ud800"'))
     assert "codec" not in str(e.value)
+
+
+def test_a_new_engine_compiles_a_grammar_before_its_first_step(tiny_models):
+    """The sampling rank offers its grammars when it is built: a server in the same process waits for
+    a first-seen grammar off the engine (wait_compiled), so not even the engine's first step compiles."""
+    from engine import structured_output
+
+    llm = LLM(tiny_models("llama"), device="cpu", num_kv_blocks=64, max_model_len=256, seed=0)
+    spec = GrammarSpec("regex", "(yes|no)")
+    structured_output.wait_compiled(spec, 8)  # before any step: the store compiles it now
+    store = llm.engine.runner.grammar_offer.built.store
+    assert store.key(spec, 8) in store.cached_keys() and store.num_cached == 1
+    out = llm.generate(["Answer:"], SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)[0]
+    assert out.outputs[0].text in ("yes", "no") and store.num_cached == 1  # the step found it compiled
