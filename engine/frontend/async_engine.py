@@ -23,6 +23,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
+from engine.core.interface import CoreClient
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -104,10 +105,10 @@ class _RequestStream:
 class AsyncEngine:
     """The async face of one engine: generate / abort / stats / check_health / start / shutdown."""
 
-    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], object] | None = None):
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], CoreClient] | None = None):
         self.config = config
         self._core_factory = core_factory or _default_core_factory
-        self._core = None  # touched only by the engine thread (and read-only attributes at start)
+        self._core: CoreClient | None = None  # touched only by the engine thread (and read-only attributes at start)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: collections.deque = collections.deque()  # appended here, drained by the thread
@@ -184,10 +185,10 @@ class AsyncEngine:
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {type(self._dead).__name__}: {self._dead}")
-        if self._thread is None or not self._thread.is_alive() or self._stop:
-            raise EngineDeadError("engine is not running")
+        if self._thread is None or not self._thread.is_alive() or self._stop or self._core is None:
+            raise EngineDeadError("engine is not running")  # a None core: the engine thread still builds it
         try:  # a parallel core's worker or replica process may die while the loop idles
-            getattr(self._core, "check_health", lambda: None)()
+            self._core.check_health()
         except Exception as e:
             raise EngineDeadError(str(e)) from e
 
@@ -237,9 +238,7 @@ class AsyncEngine:
         run here so that the server can answer 400 before it queues anything. Reads only what
         the core fixed at start."""
         self.check_health()
-        check = getattr(self._core, "check_request", None)
-        if check is not None:
-            check(prompt_token_ids, sampling_params)
+        self._core.check_request(prompt_token_ids, sampling_params)
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
                num_seqs: int) -> tuple[_RequestStream, _Admission]:
@@ -314,10 +313,6 @@ class AsyncEngine:
             self._post(lambda e=e: ready.done() or ready.set_exception(e))  # bind e: `except` unbinds it
             return
         self._post(lambda: ready.done() or ready.set_result(None))
-        # A parallel core's worker or replica may die while nothing runs: looked at while idle, so
-        # that its death stops the loop (and the server, for its supervisor to restart) then, not
-        # only when the next request's step fails.
-        watch = getattr(core, "check_health", None)
         try:
             while not self._stop:
                 self._wake.clear()  # cleared before draining, so a command added now re-wakes us
@@ -329,17 +324,20 @@ class AsyncEngine:
                     self._refresh(core)
                     if outputs:
                         self._post(lambda outs=outputs: self._deliver(outs))
-                elif not self._wake.wait(IDLE_HEALTH_CHECK_S if watch is not None else None) and watch is not None:
-                    watch()  # raises WorkerDiedError: the loop dies below, as if a step had failed
+                # A parallel core's worker or replica may die while nothing runs: looked at while idle,
+                # so that its death stops the loop (and the server, for its supervisor to restart) then,
+                # not only when the next request's step fails.
+                elif not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                    core.check_health()  # raises WorkerDiedError: the loop dies below, as if a step had failed
             self._apply_commands(core, processor)  # stopping: still free the blocks of the last aborts
         except BaseException as e:
             logger.exception("engine loop died; failing all pending requests")
             self._dead = e
             self._post(lambda e=e: self._fail_all(e))
         finally:  # a parallel core's worker or replica processes end with the loop, however it ended
-            getattr(core, "shutdown", lambda: None)()
+            core.shutdown()
 
-    def _refresh(self, core) -> None:
+    def _refresh(self, core: CoreClient) -> None:
         """Take the core's stats; the requests handed to it before now are in them."""
         with self._lock:
             self._core_stats = core.stats()
@@ -347,7 +345,7 @@ class AsyncEngine:
                 self._pending.add(admission, -1)
         self._handed = []
 
-    def _apply_commands(self, core, processor: OutputProcessor) -> None:
+    def _apply_commands(self, core: CoreClient, processor: OutputProcessor) -> None:
         rejected = []
         aborted = False
         while self._commands:
@@ -436,7 +434,7 @@ class _Pending:
             self.waiting_seqs += sign * admission.num_seqs
 
 
-def _default_core_factory(config: EngineConfig):
+def _default_core_factory(config: EngineConfig) -> CoreClient:
     from engine.frontend.startup import build_engine_core
 
     return build_engine_core(config)

@@ -1,5 +1,5 @@
 """Data parallel: data_parallel_size whole engine replicas (each may itself be TP x PP) in their
-own processes, behind EngineCore's interface, so that AsyncEngine (the server) and LLM drive
+own processes, behind the core's interface (CoreClient), so that AsyncEngine (the server) and LLM drive
 them exactly as they drive one core:
 
     AsyncEngine(config, core_factory=DataParallelCore)   # what `engine serve` does when dp > 1
@@ -39,6 +39,8 @@ _RATIOS = {"kv_cache_usage": ("num_used_blocks", "num_total_blocks"),
 
 
 class DataParallelCore:
+    """A CoreClient whose requests run on data_parallel_size replicas."""
+
     def __init__(self, config):
         self.config = config
         # config and tokenizer only (the replicas load weights); this tokenizer serves the chat route
@@ -83,7 +85,7 @@ class DataParallelCore:
         assert msg[0] == "ready", msg
         return msg
 
-    # ---- EngineCore's interface ------------------------------------------------------------
+    # ---- the core's interface (CoreClient) -------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                     arrival_time: float | None = None) -> None:

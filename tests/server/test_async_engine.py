@@ -24,9 +24,9 @@ class NumberTokenizer:
 
 
 class FakeCore:
-    """EngineCore's contract in miniature: FIFO waiting queue, max_num_seqs running, one token per
-    running request per step (token id = step count), one CoreOutput per token. While `hold` is
-    clear, steps make no progress, so tests can look at a full queue."""
+    """The core's contract (CoreClient) in miniature: FIFO waiting queue, max_num_seqs running, one
+    token per running request per step (token id = step count), one CoreOutput per token. While
+    `hold` is clear, steps make no progress, so tests can look at a full queue."""
 
     model_name = "fake"
     max_model_len = 64
@@ -48,8 +48,7 @@ class FakeCore:
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
         self._touch()
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: give at least one token")
+        self.check_request(prompt_token_ids, sampling_params)
         self.reqs[request_id] = (list(prompt_token_ids), sampling_params, [])
         self.waiting.append(request_id)
 
@@ -67,8 +66,18 @@ class FakeCore:
             if rid in q:
                 q.remove(rid)
 
+    def check_request(self, ids, params):
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+
     def finish_choice(self, request_id, index, stop):
         pass  # no stop strings in these tests
+
+    def check_health(self):
+        pass  # no worker processes to lose
+
+    def shutdown(self):
+        pass
 
     def has_unfinished_requests(self):
         return bool(self.reqs) or bool(self._abort_outputs)

@@ -1,0 +1,44 @@
+"""CoreClient: what the front end (AsyncEngine, LLM) may call on a core. EngineCore is one; the
+data-parallel front (engine/frontend/data_parallel.py) is another, so that the front end drives
+one core or many replicas through the same calls, with no probing for optional ones."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from engine.outputs import CoreOutput
+from engine.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class CoreClient(Protocol):
+    tokenizer: Any  # the model's Hugging Face tokenizer
+    model_name: str
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Queues a request; a ValueError naming the field when the request is invalid."""
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Ends these requests now and frees their blocks; the next step reports them aborted."""
+
+    def finish_choice(self, request_id: str, index: int, stop: str) -> None:
+        """Ends one choice that a stop string ended in the front end's text."""
+
+    def has_unfinished_requests(self) -> bool:
+        """Tells whether a step has anything to do (or to report)."""
+
+    def step(self) -> list[CoreOutput]:
+        """Runs one step and returns its outputs, one per choice that advanced or ended."""
+
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises the ValueError that add_request would, without queueing anything."""
+
+    def check_health(self) -> None:
+        """Raises when the core cannot step any more (a worker or replica process died)."""
+
+    def stats(self) -> dict:
+        """Returns the scheduler's and the KV cache's counters as of now."""
+
+    def shutdown(self) -> None:
+        """Stops the core's worker or replica processes, if it has any; idempotent."""
