@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Upper bounds taken from the OpenAI API where it sets one.
 MAX_N = 128
@@ -25,14 +25,27 @@ POOLINGS = ("last", "mean")
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-class UnsatisfiableRequestError(ValueError):
+class RequestError(ValueError):
+    """A request's parameter the engine refuses. `field` is the engine's name for it and the message
+    is `field` + `rest`, so that a server can report it under the name its client sent instead."""
+
+    def __init__(self, field: str, rest: str):
+        super().__init__(field + rest)
+        self.field, self.rest = field, rest
+
+    def named(self, name: str) -> str:
+        """The message with its field called `name`."""
+        return name + self.rest
+
+
+class UnsatisfiableRequestError(RequestError):
     """A request's own parameters leave no token to sample at some step of its output (say,
     allowed_token_ids that its grammar never allows there): found as it runs, so it ends that
     request alone, reported to its client as a bad request (HTTP 400), not as an engine fault.
     Raised for a batch, `rows` holds each such row's own error (row index -> error)."""
 
-    def __init__(self, message: str, rows: dict | None = None):
-        super().__init__(message)
+    def __init__(self, field: str, rest: str, rows: dict | None = None):
+        super().__init__(field, rest)
         self.rows = rows or {}
 
 
@@ -49,26 +62,26 @@ class GrammarSpec:
     @classmethod
     def of(cls, kind: str, value, strict: bool = True, field: str = "structured_outputs") -> GrammarSpec:
         """From a request's value: a schema dict (or its JSON text), a regex, a list of choices, a
-        grammar. Errors start with `field`, the request's name for it."""
+        grammar. A RequestError names `field`, the request's name for it."""
         if kind not in GRAMMAR_KINDS:
-            raise ValueError(f"{field} must use one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
+            raise RequestError(field, f" must use one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
         if kind == "json":
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{field}: the JSON schema is not valid JSON: {e}") from None
+                    raise RequestError(field, f": the JSON schema is not valid JSON: {e}") from None
             if not isinstance(value, dict):
-                raise ValueError(f"{field}: the JSON schema must be an object")
+                raise RequestError(field, ": the JSON schema must be an object")
             return cls(kind, json.dumps(value), strict)  # property order kept: the output follows it
         if kind == "choice":
             if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
-                raise ValueError(f"{field}: choice must be a non-empty list of non-empty strings")
+                raise RequestError(field, ": choice must be a non-empty list of non-empty strings")
             return cls(kind, json.dumps(value))
         if kind == "json_object":
             return cls(kind)
         if not isinstance(value, str) or not value:
-            raise ValueError(f"{field}: {kind} must be a non-empty string")
+            raise RequestError(field, f": {kind} must be a non-empty string")
         return cls(kind, value)
 
 
@@ -127,7 +140,7 @@ class SamplingParams:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 got = repr(getattr(self, name))  # a value of thousands of items is not echoed whole
-                raise ValueError(f"{name} must be {rule}, got {got if len(got) <= 200 else got[:200] + '...'}")
+                raise RequestError(name, f" must be {rule}, got {got if len(got) <= 200 else got[:200] + '...'}")
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -175,3 +188,6 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             v = getattr(self, name)
             check(v is None or (is_int(v) and v >= 0), name, "None or a non-negative integer")
+
+
+PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))  # the fields a RequestError can name

@@ -19,7 +19,7 @@ from engine.loading.loader import ModelSource
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
 from engine.runner import bad_words
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestError, SamplingParams
 from engine.scheduler_output import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -30,31 +30,31 @@ _FAILED = object()  # what _guarded returns when the call failed its request
 def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   max_num_seqs: int, max_logprobs: int) -> None:
     """What the model and this engine's limits allow, beyond SamplingParams' own checks. Raises a
-    ValueError whose message starts with the field's name. Every front (EngineCore, the
-    data-parallel front, the server before it queues anything) calls this one function."""
+    RequestError naming the field. Every front (EngineCore, the data-parallel front, the server
+    before it queues anything) calls this one function."""
     if not ids:
-        raise ValueError("prompt is empty: give at least one token")
+        raise RequestError("prompt", " is empty: give at least one token")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        raise RequestError("prompt", f" token ids must be integers in [0, {vocab_size})")
     if params.pooling is not None and len(ids) > max_model_len:  # an embedding generates nothing
-        raise ValueError(f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}: "
-                         "shorten the input")
+        raise RequestError("prompt", f" has {len(ids)} tokens but the context window (max_model_len) is "
+                                     f"{max_model_len}: shorten the input")
     if params.pooling is None and len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
+        raise RequestError(
+            "prompt", f" has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
             "which must leave room for at least one generated token: shorten the prompt")
     if params.n > max_num_seqs:
-        raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), the sequences this server runs "
-                         f"at once, got {params.n}")
+        raise RequestError("n", f" must be at most max_num_seqs ({max_num_seqs}), the sequences this server "
+                                f"runs at once, got {params.n}")
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
                       ("allowed_token_ids", params.allowed_token_ids or [])):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"{name} must name token ids in [0, {vocab_size}), got {bad[0]}")
+            raise RequestError(name, f" must name token ids in [0, {vocab_size}), got {bad[0]}")
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(params, name)
         if v is not None and v > max_logprobs:
-            raise ValueError(f"{name} must be at most max_logprobs ({max_logprobs}), got {v}")
+            raise RequestError(name, f" must be at most max_logprobs ({max_logprobs}), got {v}")
     if params.structured_outputs is not None:
         structured_output.admit(params.structured_outputs, params.max_tokens)
 

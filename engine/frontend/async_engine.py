@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PARAM_NAMES, RequestError, SamplingParams
 
 logger = logging.getLogger("pagewise.async_engine")
 
@@ -51,9 +51,15 @@ class RequestFailedError(RuntimeError):
     """Processing this one request failed inside the engine (HTTP 500); the engine serves on."""
 
 
-class RequestInvalidError(ValueError):
+class RequestInvalidError(RequestError):
     """This request's own parameters asked for the impossible partway through (say, a grammar and
-    allowed_token_ids that leave no token): it ended there (HTTP 400); the engine serves on."""
+    allowed_token_ids that leave no token): it ended there (HTTP 400); the engine serves on. Built
+    from the core's message, an UnsatisfiableRequestError's text, whose first word is the field."""
+
+    def __init__(self, message: str):
+        name = message.partition(":")[0]
+        field = name if name in PARAM_NAMES else ""  # only a SamplingParams field counts as one
+        super().__init__(field, message[len(field):])
 
 
 class _RequestStream:

@@ -279,9 +279,10 @@ class Sampler:
                 why = f"{after} the grammar allows no token (a rule that only refers to itself?)"
             else:
                 why = f"{after} it leaves no token to sample"
-            errors[i] = UnsatisfiableRequestError(f"{fields[0]}: {why}")
+            errors[i] = UnsatisfiableRequestError(fields[0], f": {why}")
         if errors:
-            raise UnsatisfiableRequestError(str(next(iter(errors.values()))), errors)
+            first = next(iter(errors.values()))
+            raise UnsatisfiableRequestError(first.field, first.rest, errors)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
         device = logits.device

@@ -6,31 +6,31 @@ from __future__ import annotations
 
 import json
 
-from engine.sampling_params import GrammarSpec
+from engine.sampling_params import GrammarSpec, RequestError
 from engine.structured_output import schema
 
 
 def check_bounds(spec: GrammarSpec, config) -> None:
-    """ValueError naming `structured_outputs` and the bound the spec exceeds (`config`: an
+    """RequestError naming `structured_outputs` and the bound the spec exceeds (`config`: an
     EngineConfig; grammar_max_bytes, grammar_max_depth, grammar_max_values)."""
     size = len(spec.spec.encode())
     if size > config.grammar_max_bytes:
-        raise ValueError(f"structured_outputs: the {spec.kind} is {size} bytes, more than this server's "
+        raise RequestError("structured_outputs", f": the {spec.kind} is {size} bytes, more than this server's "
                          f"grammar_max_bytes ({config.grammar_max_bytes}): send a smaller one")
     if spec.kind == "choice":
         count = len(json.loads(spec.spec))
         if count > config.grammar_max_values:
-            raise ValueError(f"structured_outputs: choice lists {count} choices, more than this server's "
+            raise RequestError("structured_outputs", f": choice lists {count} choices, more than this server's "
                              f"grammar_max_values ({config.grammar_max_values}): send fewer")
     if spec.kind != "json":
         return
     value = json.loads(spec.spec)
     levels = schema.depth(value)
     if levels > config.grammar_max_depth:
-        raise ValueError(f"structured_outputs: the JSON schema nests {levels} levels deep, more than this "
+        raise RequestError("structured_outputs", f": the JSON schema nests {levels} levels deep, more than this "
                          f"server's grammar_max_depth ({config.grammar_max_depth}): flatten it")
     count = schema.num_values(value)
     if count > config.grammar_max_values:
-        raise ValueError(f"structured_outputs: the JSON schema lists {count} enum/const values, more than this "
+        raise RequestError("structured_outputs", f": the JSON schema lists {count} enum/const values, more than this "
                          f"server's grammar_max_values ({config.grammar_max_values}): send fewer, or a "
                          "pattern or a plain string instead of the list")

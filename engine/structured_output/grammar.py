@@ -9,7 +9,7 @@ import json
 import re
 import threading
 
-from engine.sampling_params import GrammarSpec
+from engine.sampling_params import GrammarSpec, RequestError
 from engine.structured_output import closing, schema
 from engine.structured_output.finite import rules_that_never_end
 
@@ -24,13 +24,13 @@ def xgrammar():
     try:
         import xgrammar
     except ImportError as e:
-        raise ValueError(f"structured_outputs needs the xgrammar package: {INSTALL}") from e
+        raise RequestError("structured_outputs", f" needs the xgrammar package: {INSTALL}") from e
     return xgrammar
 
 
 def to_grammar(spec: GrammarSpec, string_chars: int | None = None):
     """The spec as an xgrammar Grammar; `string_chars` set: a JSON one with the closing bounds
-    (engine/structured_output/closing.py). Raises ValueError naming the field."""
+    (engine/structured_output/closing.py). Raises RequestError naming the field."""
     xgr = xgrammar()
     try:
         if spec.kind in ("json", "json_object"):
@@ -49,11 +49,11 @@ def to_grammar(spec: GrammarSpec, string_chars: int | None = None):
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)))
         return xgr.Grammar.from_ebnf(spec.spec)
     except UnicodeError:  # a lone surrogate escape: Python's codec text would say nothing to a client
-        raise ValueError(f"structured_outputs: the {spec.kind} holds text that is not valid UTF-8 "
+        raise RequestError("structured_outputs", f": the {spec.kind} holds text that is not valid UTF-8 "
                          "(e.g. a lone \\ud800-\\udfff escape)") from None
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
         why = _XGRAMMAR_SOURCE.sub("", str(e)).strip()  # its time and C++ source line say nothing to a client
-        raise ValueError(f"structured_outputs: the {spec.kind} could not be compiled: {why}") from None
+        raise RequestError("structured_outputs", f": the {spec.kind} could not be compiled: {why}") from None
 
 
 _checked: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -61,7 +61,7 @@ _checked_lock = threading.Lock()
 
 
 def check(spec: GrammarSpec) -> None:
-    """Refuse, as a ValueError naming `structured_outputs`, a spec that would not run as asked: one
+    """Refuse, as a RequestError naming `structured_outputs`, a spec that would not run as asked: one
     that does not parse, refers outside itself, combines keywords xgrammar does not enforce, or
     has a value it could never close (no finite output at all, or a definition that can only go on)."""
     digest = hashlib.sha256(f"{spec.kind}\0{spec.strict}\0{spec.spec}".encode()).digest()
@@ -72,17 +72,17 @@ def check(spec: GrammarSpec) -> None:
     if spec.kind == "json":
         value = json.loads(spec.spec)
         if (ref := schema.external_ref(value)) is not None:
-            raise ValueError(f"structured_outputs: the JSON schema refers outside itself ($ref {ref[:100]!r}); "
+            raise RequestError("structured_outputs", f": the JSON schema refers outside itself ($ref {ref[:100]!r}); "
                              "only references inside it ('#/$defs/...') are followed: inline that definition")
         if (found := schema.unenforced(value)) is not None:
-            raise ValueError(f"structured_outputs: the JSON schema has {found}, which is not enforced")
+            raise RequestError("structured_outputs", f": the JSON schema has {found}, which is not enforced")
     never = rules_that_never_end(str(to_grammar(spec)))
     if never and never[0] == "root":
-        raise ValueError(f"structured_outputs: the {spec.kind} admits no finite output (no value of it can "
+        raise RequestError("structured_outputs", f": the {spec.kind} admits no finite output (no value of it can "
                          "ever end): check it for a rule or $ref that only refers to itself, or definitions "
                          "that require each other")
     if never:
-        raise ValueError(f"structured_outputs: the {spec.kind} has a part that can never end ({never[0]}: a rule "
+        raise RequestError("structured_outputs", f": the {spec.kind} has a part that can never end ({never[0]}: a rule "
                          "or definition that requires itself, directly or through another), so an output that "
                          "starts it runs until max_tokens: make that recursion optional")
     with _checked_lock:

@@ -61,7 +61,7 @@ class GrammarStore:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise UnsatisfiableRequestError(
-                f"structured_outputs: the {spec.kind} did not compile within {self.compile_timeout_s:g} s "
+                "structured_outputs", f": the {spec.kind} did not compile within {self.compile_timeout_s:g} s "
                 "(grammar_compile_timeout_s): it is too complex; simplify it (fewer alternatives, shorter "
                 "repetitions)") from None
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.sampling_params import GrammarSpec, RequestError
 from tests.engine.hf_oracle import hf_greedy
 
 BAD_SAMPLING = [
@@ -21,8 +22,18 @@ BAD_SAMPLING = [
 
 @pytest.mark.parametrize("field,value", BAD_SAMPLING)
 def test_invalid_sampling_field_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    """A RequestError (still a ValueError, for callers of the offline API) carries the field, which
+    its message starts with: a server renames it from `field`, never from the text."""
+    with pytest.raises(RequestError) as caught:
         SamplingParams(**{field: value})
+    assert isinstance(caught.value, ValueError) and caught.value.field == field
+    assert str(caught.value).startswith(field) and caught.value.named("sent") == "sent" + str(caught.value)[len(field):]
+
+
+def test_grammar_errors_name_the_field_they_came_in():
+    with pytest.raises(RequestError) as caught:
+        GrammarSpec.of("json", "{not json", field="guided_json")
+    assert caught.value.field == "guided_json" and str(caught.value).startswith("guided_json: ")
 
 
 def test_tiny_temperature_is_greedy():
@@ -32,8 +43,9 @@ def test_tiny_temperature_is_greedy():
 
 
 def test_min_tokens_above_max_tokens():
-    with pytest.raises(ValueError, match="min_tokens"):
+    with pytest.raises(RequestError, match="^min_tokens") as caught:
         SamplingParams(min_tokens=10, max_tokens=5)
+    assert caught.value.field == "min_tokens"
 
 
 def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
@@ -51,15 +63,17 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
         ([engine.vocab_size + 5], "token ids"),
     ]
     for ids, message in bad:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(RequestError, match=message) as caught:
             engine.add_request("bad", ids, params)
+        assert caught.value.field == "prompt"
     # Values SamplingParams cannot judge alone: the vocabulary and the engine's limits.
     for kwargs, field in [(dict(stop_token_ids=[engine.vocab_size], min_tokens=2), "^stop_token_ids"),
                           (dict(stop_token_ids=[2**70], min_tokens=1), "^stop_token_ids"),
                           (dict(logprobs=engine.config.max_logprobs + 1), "^logprobs"),
                           (dict(prompt_logprobs=engine.config.max_logprobs + 1), "^prompt_logprobs")]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(RequestError, match=field) as caught:
             engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4, **kwargs))
+        assert caught.value.field == field[1:]
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [1, 2], params)
     with pytest.raises(ValueError, match="max_model_len"):
