@@ -17,7 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 
 from engine.frontend import chat_template
 from engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MIN_REPETITION_PENALTY,
-                                    SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams)
+                                    SEED_MAX, SEED_MIN, GrammarSpec, RequestError, SamplingParams)
 
 
 def _integral_float(v: Any) -> Any:
@@ -258,7 +258,7 @@ class _SamplingRequest(_Request):
             if getattr(self, name) is not None:
                 found.append((name, GrammarSpec.of(kind, getattr(self, name), field=name)))
         if len(found) > 1:
-            raise ValueError(f"{found[1][0]}: only one output constraint per request, and {found[0][0]} sets one too")
+            raise RequestError(found[1][0], f": only one output constraint per request, and {found[0][0]} sets one too")
         return found[0] if found else (None, None)
 
     @property

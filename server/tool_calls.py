@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling_params import GrammarSpec
+from engine.sampling_params import GrammarSpec, RequestError
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -55,12 +55,12 @@ class Plan:
 
 
 def _functions(tools: list) -> dict[str, dict]:
-    """name -> parameters schema of protocol.Tool entries; raises ValueError naming `tools`."""
+    """name -> parameters schema of protocol.Tool entries; raises a RequestError naming the field."""
     out = {}
     for i, tool in enumerate(tools):
         fn = tool.function
         if fn.name in out:
-            raise ValueError(f"tools[{i}].function.name: {fn.name!r} names an earlier function too: give each "
+            raise RequestError(f"tools[{i}].function.name", f": {fn.name!r} names an earlier function too: give each "
                              "function its own name")
         out[fn.name] = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
     return out
@@ -68,7 +68,7 @@ def _functions(tools: list) -> dict[str, dict]:
 
 def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolConfig) -> Plan:
     """What a request's tools (protocol.Tool list) and tool_choice ("none", "auto", "required" or a
-    protocol.NamedToolChoice; shapes checked at the edge) ask for; ValueError (naming the field) if
+    protocol.NamedToolChoice; shapes checked at the edge) ask for; a RequestError (naming the field) if
     they cannot be served."""
     functions = _functions(tools or [])
     if tool_choice is None:
@@ -76,11 +76,11 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
     if tool_choice == "none":
         return Plan("none")
     if not functions:
-        raise ValueError("tool_choice needs tools: give the functions the model may call")
+        raise RequestError("tool_choice", " needs tools: give the functions the model may call")
     if not isinstance(tool_choice, str):
         name = tool_choice.function.name
         if name not in functions:
-            raise ValueError(f"tool_choice names function {name[:100]!r}, which is not in tools "
+            raise RequestError("tool_choice", f" names function {name[:100]!r}, which is not in tools "
                              f"({', '.join(functions)[:400]})")
         return Plan("named", GrammarSpec.of("json", functions[name], field="tools"), name)
     if tool_choice == "required":
@@ -93,10 +93,10 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
         return Plan("required", GrammarSpec.of("json", schema, field="tools"))
     if tool_choice == "auto":
         if not (config.enable_auto and config.parser):
-            raise ValueError("tool_choice 'auto' needs the server started with --enable-auto-tool-choice and "
+            raise RequestError("tool_choice", " 'auto' needs the server started with --enable-auto-tool-choice and "
                              "--tool-call-parser (or use 'required' or a named function)")
         return Plan("auto")
-    raise ValueError(f"tool_choice must be none, auto, required or {{'type': 'function', 'function': "
+    raise RequestError("tool_choice", f" must be none, auto, required or {{'type': 'function', 'function': "
                      f"{{'name': ...}}}}, got {str(tool_choice)[:100]!r}")
 
 

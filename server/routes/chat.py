@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
+from engine.sampling_params import RequestError
 from server.logprobs import chat_logprobs
 from server.openapi import route_docs
 from server.prompts import resolve_max_tokens
@@ -37,14 +38,13 @@ async def create_chat_completion(request: Request):
                                              **body.template_options)
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
                                     field=body.max_tokens_field, prompt_field="messages")
-    renames = {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",
-               "structured_outputs": "tools" if plan.grammar else body.grammar_field}
-    with engine_errors(), sampling_errors(renames=renames):
+    renames = _renames(body, plan)
+    with engine_errors(renames), sampling_errors(renames=renames):
         params = body.to_sampling_params(max_tokens)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
-                raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output itself: drop "
-                                 f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
+                raise RequestError("tool_choice", f" {body.tool_choice!r} constrains the output itself: drop "
+                                                  f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
             params = dataclasses.replace(params, structured_outputs=plan.grammar)
         await check_request(state, prompt.token_ids, params)
 
@@ -53,7 +53,7 @@ async def create_chat_completion(request: Request):
                                  params.n)
     render = _Renderer(state, body, request_id, plan)
     try:
-        with engine_errors():
+        with engine_errors(renames):
             (stream,) = await unless_disconnected(request, primed_all([stream]))
             if body.stream:
                 return sse_response(render.events(stream))
@@ -61,6 +61,12 @@ async def create_chat_completion(request: Request):
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the request was aborted
     return Response(render.response(final).model_dump_json(), media_type="application/json")
+
+
+def _renames(body: ChatCompletionRequest, plan: tool_calls.Plan) -> dict[str, str]:
+    """The engine's field names -> the ones this request sent (its errors name those)."""
+    return {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",
+            "structured_outputs": "tools" if plan.grammar else body.grammar_field}
 
 
 @dataclasses.dataclass
@@ -186,7 +192,7 @@ class _Renderer:
             if self.body.include_usage:
                 yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream
-            yield event(error_event_body(e))
+            yield event(error_event_body(e, _renames(self.body, self.plan)))
         finally:
             await stream.aclose()
         yield DONE

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import re
 import uuid
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from engine import structured_output
+from engine.sampling_params import RequestError
 from engine.frontend.async_engine import (EngineDeadError, EngineOverloadedError, RequestFailedError,
                                           RequestInvalidError)
 from server.errors import APIError, bad_request, error_body, validation_error
@@ -23,7 +23,6 @@ RETRY_AFTER_S = "1"
 # Requests with a grammar are checked here, each waiting up to grammar_compile_timeout_s for its
 # compile; a few at a time, so that they never take the threads the server tokenizes with.
 _GRAMMAR_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pagewise-grammar-check")
-_FIELD = re.compile(r"^([a-z_]+)\b")
 UNSATISFIABLE = "unsatisfiable_request"  # the code of a request whose parameters left no token partway
 
 
@@ -46,7 +45,7 @@ async def read_request(request, model: type[B]) -> tuple[ServerState, B]:
 
 
 async def check_request(state: ServerState, prompt_token_ids: list[int], params) -> None:
-    """The engine's admission checks (a ValueError naming the field). A request with a grammar is
+    """The engine's admission checks (a RequestError naming the field). A request with a grammar is
     checked off the event loop: its bounds, then the engine's checks, then its compile, which the
     request waits for here so that it enters the engine with its grammar ready."""
     if params.structured_outputs is None:
@@ -69,21 +68,25 @@ def new_id(prefix: str) -> str:
 
 @contextlib.contextmanager
 def sampling_errors(renames: dict[str, str] | None = None):
-    """SamplingParams' ValueError names the field; report it under the request's own field name."""
+    """A RequestError (SamplingParams', the engine's admission checks') as a 400 whose `param` and
+    message name the field as the client sent it: `renames` maps the engine's field names to the
+    route's."""
     try:
         yield
-    except ValueError as e:
-        message, param = str(e), _field(e)
-        if param and renames and param in renames:
-            message = renames[param] + message[len(param):]
-            param = renames[param]
-        raise bad_request(message, param=param) from None
+    except RequestError as e:
+        raise request_error(e, renames) from None
+
+
+def request_error(error: RequestError, renames: dict[str, str] | None = None, code: str | None = None) -> APIError:
+    name = (renames or {}).get(error.field, error.field)
+    return bad_request(error.named(name), param=name or None, code=code)
 
 
 @contextlib.contextmanager
-def engine_errors():
+def engine_errors(renames: dict[str, str] | None = None):
     """AsyncEngine's failures as HTTP errors: overload 503 (+Retry-After), a rejected prompt or
-    parameters that left no token partway 400, a dead engine 500 without internals."""
+    parameters that left no token partway 400 (named as in sampling_errors), a dead engine 500
+    without internals."""
     try:
         yield
     except EngineOverloadedError as e:
@@ -95,21 +98,16 @@ def engine_errors():
         raise APIError(500, "internal server error while processing this request; other requests are "
                             "unaffected", code="internal_error") from None
     except RequestInvalidError as e:  # its parameters left no token to sample partway through
-        raise bad_request(str(e), param=_field(e), code=UNSATISFIABLE) from None
-    except ValueError as e:  # EngineCore.add_request rejected the prompt
-        raise bad_request(str(e), param="prompt" if (_field(e) or "").startswith("prompt") else None) from None
+        raise request_error(e, renames, UNSATISFIABLE) from None
+    except RequestError as e:  # EngineCore.add_request rejected the request
+        raise request_error(e, renames) from None
 
 
-def _field(error: BaseException) -> str | None:
-    """The field an error's message starts with (our ValueErrors name theirs first), or None."""
-    m = _FIELD.match(str(error))
-    return m.group(1) if m else None
-
-
-def error_event_body(error: BaseException) -> dict:
+def error_event_body(error: BaseException, renames: dict[str, str] | None = None) -> dict:
     """The payload of an SSE error event, for a failure after the stream has started."""
     if isinstance(error, RequestInvalidError):
-        return error_body(400, str(error), _field(error), UNSATISFIABLE)
+        e = request_error(error, renames, UNSATISFIABLE)
+        return error_body(400, e.message, e.param, UNSATISFIABLE)
     if isinstance(error, EngineDeadError):  # the code a whole response gets for it too
         return error_body(500, "internal server error: the engine stopped", code="engine_dead")
     if isinstance(error, RequestFailedError):

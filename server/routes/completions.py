@@ -30,7 +30,7 @@ async def create_completion(request: Request):
     params = []
     for p in prompts:
         max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len)
-        with engine_errors(), sampling_errors(renames={"structured_outputs": body.grammar_field}):
+        with engine_errors(_renames(body)), sampling_errors(renames=_renames(body)):
             params.append(body.to_sampling_params(max_tokens))
             await check_request(state, p.token_ids, params[-1])
 
@@ -40,7 +40,7 @@ async def create_completion(request: Request):
                for rid, p, sp in zip(ids, prompts, params)]
     render = _Renderer(state, body, prompts, request_id)
     try:
-        with engine_errors():
+        with engine_errors(_renames(body)):
             streams = await unless_disconnected(request, primed_all(streams))
             if body.stream:
                 return sse_response(render.events(streams))
@@ -48,6 +48,11 @@ async def create_completion(request: Request):
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the requests were aborted
     return Response(render.response(finals).model_dump_json(), media_type="application/json")
+
+
+def _renames(body: CompletionRequest) -> dict[str, str]:
+    """The engine's field names -> the ones this request sent (its errors name those)."""
+    return {"structured_outputs": body.grammar_field}
 
 
 class _Renderer:
@@ -126,7 +131,7 @@ class _Renderer:
             if self.body.include_usage:
                 yield event(_chunk(self, [], usage=self._usage(completion_tokens)))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream
-            yield event(error_event_body(e))
+            yield event(error_event_body(e, _renames(self.body)))
         finally:
             await merged.aclose()
         yield DONE

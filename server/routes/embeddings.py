@@ -34,13 +34,13 @@ async def create_embeddings(request: Request):
     prompts = await state.prompts.completion_prompts(body.input, param="input")
     params = SamplingParams(max_tokens=1, pooling=body.pooling)
     for p in prompts:
-        with engine_errors(), sampling_errors(renames={"prompt": "input"}):
+        with engine_errors({"prompt": "input"}), sampling_errors(renames={"prompt": "input"}):
             state.engine.check_request(p.token_ids, params)
     request_id = new_id("embd")
     streams = [state.metrics.track(state.engine.generate(f"{request_id}-{i}", p.token_ids, params, prompt=p.text), 1)
                for i, p in enumerate(prompts)]
     try:
-        with engine_errors():
+        with engine_errors({"prompt": "input"}):
             streams = await unless_disconnected(request, primed_all(streams))
             finals = await unless_disconnected(request, last_outputs(streams))
     except ClientDisconnected:

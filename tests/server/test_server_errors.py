@@ -205,7 +205,7 @@ CASES = [
          "tools[0].function.parameters"),
         ("tool-description-an-object", {"tools": [{"type": "function", "function": {"name": "f", "description": {}}}]},
          "tools[0].function.description"),
-        ("tool-names-twice", {"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools"),
+        ("tool-names-twice", {"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools[1].function.name"),
         ("content-part-text-a-number", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
          "messages[0].content[0].text"),
         ("content-a-number", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
