@@ -5,15 +5,13 @@ every admitted request completes, and no block stays in use."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
 from engine.config import EngineConfig
 from engine.frontend.data_parallel import DataParallelCore
 from engine.sampling_params import SamplingParams
-from tests.server.server_harness import ServerProcess, get_metrics, metric
+from tests.server.server_harness import ServerProcess, burst, get_metrics, metric
 
 WAITING, PROMPT, MAX_TOKENS, BURST = 8, 40, 120, 64
 
@@ -52,19 +50,10 @@ def test_requests_not_yet_reported_by_a_replica_count_as_waiting(gqa_model):
 
 @pytest.mark.slow
 def test_waiting_bound_holds_over_replicas(server):
-    async def burst():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json=_body(i)) for i in range(BURST)))
-
-    responses = asyncio.run(burst())
-    ok = [r for r in responses if r.status_code == 200]
-    rejected = [r for r in responses if r.status_code == 503]
-    assert len(ok) + len(rejected) == BURST, [r.status_code for r in responses]
+    ok = [r for r in burst(server.url, [_body(i) for i in range(BURST)]) if r.status_code == 200]
     # The prompts that fit both replicas at once (2 x 6) plus the eight that may wait, and a few
     # admitted as the first ones finish while the burst still arrives.
     assert WAITING <= len(ok) <= 32, len(ok)
-    for r in rejected:
-        assert r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == "overloaded"
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in ok)
     text = get_metrics(server)
     assert metric(text, "pagewise:num_requests_running") == 0 and metric(text, "pagewise:num_used_kv_blocks") == 0

@@ -84,3 +84,19 @@ def get_metrics(server) -> str:
     r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     r.raise_for_status()
     return r.text
+
+
+def burst(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    """POST every completions body at once; the responses, in order, each checked to be a 200, or a
+    503 overload with Retry-After 1, nothing else."""
+    import asyncio
+
+    async def send():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+    responses = asyncio.run(send())
+    for r in responses:
+        assert r.status_code == 200 or (r.status_code == 503 and r.headers.get("retry-after") == "1"
+                                        and r.json()["error"]["code"] == "overloaded"), (r.status_code, r.text)
+    return responses
