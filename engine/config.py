@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ def _knob(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+# What a CPU serving step's prefill is held to unless the config says (EngineConfig.for_serving).
+SERVING_CPU_MAX_PREFILL_TOKENS = 256
+SERVING_CPU_MAX_PREFILL_ATTENTION = 131072
+
 @dataclass
 class EngineConfig:
     model: str | None = _knob(None, "a Hugging Face model folder (config.json + *.safetensors) or a .gguf file "
@@ -133,13 +137,18 @@ class EngineConfig:
                                               "of one forward pass")
     enable_chunked_prefill: bool = _knob(True, "split a long prompt's prefill over several steps")
     # On CPU a step lasts as long as its prompt tokens and the earlier tokens each one attends to,
-    # and an abort or a new request waits for the step under way: these keep a prefill step short.
-    cpu_max_prefill_tokens: int = _knob(256, "cpu, with chunked prefill: prompt tokens one step computes at most "
-                                             "(within --max-num-batched-tokens), so that a step, which an abort or "
-                                             "a new request waits for, stays well under a second")
-    cpu_max_prefill_attention: int = _knob(131072, "cpu, with chunked prefill: (prompt token, earlier token) pairs "
-                                                   "one step's prefill attends over at most, so that a chunk deep "
-                                                   "into a long prompt is smaller and its step as short")
+    # and an abort or a new request waits for the step under way: these keep a serving step short.
+    # Offline nothing arrives or aborts mid-run, so there (None) whole budgets prefill at once.
+    cpu_max_prefill_tokens: int | None = _knob(None, "cpu, with chunked prefill: prompt tokens one step computes "
+                                                     "at most (within --max-num-batched-tokens), so that a step, "
+                                                     "which an abort or a new request waits for, stays well under "
+                                                     f"a second; unset: {SERVING_CPU_MAX_PREFILL_TOKENS} when "
+                                                     "serving, no limit offline")
+    cpu_max_prefill_attention: int | None = _knob(None, "cpu, with chunked prefill: (prompt token, earlier token) "
+                                                        "pairs one step's prefill attends over at most, so that a "
+                                                        "chunk deep into a long prompt is smaller and its step as "
+                                                        f"short; unset: {SERVING_CPU_MAX_PREFILL_ATTENTION} when "
+                                                        "serving, no limit offline")
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
                                            "auto picks by device")
@@ -238,8 +247,10 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "None or >= 1")
         check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
-        check(self.cpu_max_prefill_tokens >= 1, "cpu_max_prefill_tokens", ">= 1")
-        check(self.cpu_max_prefill_attention >= 1, "cpu_max_prefill_attention", ">= 1")
+        check(self.cpu_max_prefill_tokens is None or self.cpu_max_prefill_tokens >= 1, "cpu_max_prefill_tokens",
+              "None or >= 1")
+        check(self.cpu_max_prefill_attention is None or self.cpu_max_prefill_attention >= 1,
+              "cpu_max_prefill_attention", "None or >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "None or >= 1")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -320,6 +331,14 @@ class EngineConfig:
             raise ValueError(f"chat_template {text!r} is neither a file nor a Jinja template: "
                              "pass a template file's path or the template text")
         self.chat_template = path
+
+    def for_serving(self) -> "EngineConfig":
+        """This config as an online engine runs it: the CPU prefill limits it leaves unset filled in,
+        since there every step holds up the aborts, arrivals and streams that wait for it."""
+        return replace(
+            self,
+            cpu_max_prefill_tokens=self.cpu_max_prefill_tokens or SERVING_CPU_MAX_PREFILL_TOKENS,
+            cpu_max_prefill_attention=self.cpu_max_prefill_attention or SERVING_CPU_MAX_PREFILL_ATTENTION)
 
     @classmethod
     def help(cls, name: str) -> str:

@@ -19,15 +19,19 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
+UNLIMITED = 1 << 62  # a prefill limit left unset beside one that is set
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, cpu: bool = False):
         """`cpu`: the step runs on CPU, where its prefill is also held to config.cpu_max_prefill_*."""
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
-        limited = cpu and self.chunked_prefill
-        self.prefill_token_budget = config.cpu_max_prefill_tokens if limited else None
-        self.prefill_attention_budget = config.cpu_max_prefill_attention if limited else None
+        limits = (config.cpu_max_prefill_tokens, config.cpu_max_prefill_attention)
+        limited = cpu and self.chunked_prefill and limits != (None, None)  # unset offline: whole budgets
+        self.prefill_token_budget = (limits[0] or UNLIMITED) if limited else None
+        self.prefill_attention_budget = (limits[1] or UNLIMITED) if limited else None
         self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)  # in the step being scheduled
         self.max_model_len = max_model_len
         self.kv = kv

@@ -112,7 +112,7 @@ class AsyncEngine:
     """The async face of one engine: generate / abort / stats / check_health / start / shutdown."""
 
     def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], CoreClient] | None = None):
-        self.config = config
+        self.config = config.for_serving()
         self._core_factory = core_factory or _default_core_factory
         self._core: CoreClient | None = None  # touched only by the engine thread (and read-only attributes at start)
         self._thread: threading.Thread | None = None

@@ -213,3 +213,21 @@ def test_aborting_n_queued_requests_is_linear():
     times = [(_abort_seconds(2_500), _abort_seconds(20_000)) for _ in range(5)]
     small, large = min(t[0] for t in times), min(t[1] for t in times)
     assert large / small < 22, (small, large)
+
+
+def test_prefill_limits_are_for_serving_unless_set():
+    """Offline (a config left unset) a CPU step prefills its whole token budget; an online engine
+    (AsyncEngine) fills in the serving limits; one limit set alone leaves the other unlimited."""
+    from engine.config import SERVING_CPU_MAX_PREFILL_TOKENS, EngineConfig
+    from engine.core.kv_cache import KVCacheManager
+    from engine.core.scheduler import Scheduler
+
+    def budgets(config):
+        s = Scheduler(config, KVCacheManager(64, 16, True), 1024, cpu=True)
+        return s.prefill_token_budget, s.prefill_attention_budget
+
+    assert budgets(EngineConfig()) == (None, None)
+    tokens, pairs = budgets(EngineConfig().for_serving())
+    assert tokens == SERVING_CPU_MAX_PREFILL_TOKENS and pairs is not None
+    tokens, pairs = budgets(EngineConfig(cpu_max_prefill_tokens=64))
+    assert tokens == 64 and pairs > 1 << 40
