@@ -142,12 +142,12 @@ class EngineConfig:
     cpu_max_prefill_tokens: int | None = _knob(None, "cpu, with chunked prefill: prompt tokens one step computes "
                                                      "at most (within --max-num-batched-tokens), so that a step, "
                                                      "which an abort or a new request waits for, stays well under "
-                                                     f"a second; unset: {SERVING_CPU_MAX_PREFILL_TOKENS} when "
+                                                     f"a second; default: {SERVING_CPU_MAX_PREFILL_TOKENS} when "
                                                      "serving, no limit offline")
     cpu_max_prefill_attention: int | None = _knob(None, "cpu, with chunked prefill: (prompt token, earlier token) "
                                                         "pairs one step's prefill attends over at most, so that a "
                                                         "chunk deep into a long prompt is smaller and its step as "
-                                                        f"short; unset: {SERVING_CPU_MAX_PREFILL_ATTENTION} when "
+                                                        f"short; default: {SERVING_CPU_MAX_PREFILL_ATTENTION} when "
                                                         "serving, no limit offline")
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of a prompt prefix already computed")
     attention_backend: str = _knob("auto", "kernels: triton (CUDA), cpu (C++), torch (the reference); "
