@@ -25,7 +25,8 @@ from typing import AsyncIterator, Callable
 from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend.output_processor import OutputProcessor
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.frontend.request_stream import RequestStream
+from engine.outputs import RequestOutput
 from engine.sampling_params import PARAM_NAMES, RequestError, SamplingParams
 
 logger = logging.getLogger("pagewise.async_engine")
@@ -62,52 +63,6 @@ class RequestInvalidError(RequestError):
         super().__init__(field, message[len(field):])
 
 
-class _RequestStream:
-    """The outputs of one request not yet taken by its consumer (merged into one delta), handed
-    from the engine thread to the event loop."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None, num_choices: int):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.prompt = prompt
-        self.finished = False  # a final output or an error was delivered
-        self._unfinished = set(range(num_choices))  # choices whose finish the consumer has not been sent
-        self._pending: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.finished:
-            return  # e.g. the core's own abort echo after we already closed the stream
-        self._pending = output if self._pending is None else self._pending.merge(output)
-        self._unfinished -= {c.index for c in output.outputs if c.finish_reason is not None}
-        self.finished = output.finished
-        self._ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        if self.finished:
-            return
-        self._error, self.finished = error, True
-        self._ready.set()
-
-    def abort_output(self) -> RequestOutput:
-        """The final delta for a request ended from outside (shutdown): every choice that has
-        not finished ends with finish_reason=abort."""
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [CompletionOutput(i, "", [], finish_reason="abort") for i in sorted(self._unfinished)],
-                             finished=True)
-
-    async def get(self) -> RequestOutput:
-        while True:
-            if self._pending is not None:
-                output, self._pending = self._pending, None
-                return output
-            if self._error is not None:
-                raise self._error
-            self._ready.clear()
-            await self._ready.wait()
-
-
 class AsyncEngine:
     """The async face of one engine: generate / abort / stats / check_health / start / shutdown."""
 
@@ -120,7 +75,7 @@ class AsyncEngine:
         self._commands: collections.deque = collections.deque()  # appended here, drained by the thread
         self._wake = threading.Event()
         self._stop = False
-        self._streams: dict[str, _RequestStream] = {}  # event-loop side only
+        self._streams: dict[str, RequestStream] = {}  # event-loop side only
         # Admission bookkeeping shared with the engine thread (under _lock): the core's stats as of
         # its last refresh, and the requests admitted since, which those stats do not show yet.
         self._lock = threading.Lock()
@@ -247,7 +202,7 @@ class AsyncEngine:
         self._core.check_request(prompt_token_ids, sampling_params)
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
-               num_seqs: int) -> tuple[_RequestStream, _Admission]:
+               num_seqs: int) -> tuple[RequestStream, _Admission]:
         if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1
             raise EngineShuttingDownError("server is shutting down")
@@ -265,7 +220,7 @@ class AsyncEngine:
                     "counts, and a request waits while the sequences, tokens or KV cache blocks it needs are taken)")
             self._pending.add(admission, +1)
         self._counters["num_requests_admitted"] += 1
-        stream = self._streams[request_id] = _RequestStream(request_id, prompt_token_ids, prompt, num_seqs)
+        stream = self._streams[request_id] = RequestStream(request_id, prompt_token_ids, prompt, num_seqs)
         return stream, admission
 
     def _num_waiting_locked(self) -> int:
