@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.executor.executor import make_executor
 from engine.loading.loader import source_for
+from engine.runner.model_runner import resolve_device
 from kernels import cpu_build
 
 
@@ -30,7 +31,4 @@ def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = Engin
 
 
 def _uses_cpu_kernels(config: EngineConfig) -> bool:
-    import torch
-
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    return on_cpu and config.attention_backend in ("auto", "cpu")
+    return resolve_device(config.device).type == "cpu" and config.attention_backend in ("auto", "cpu")
