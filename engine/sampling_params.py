@@ -58,6 +58,9 @@ class GrammarSpec:
     kind: str
     spec: str = ""
     strict: bool = True  # json: no properties beyond the schema's (OpenAI's `strict`)
+    # A reasoning model's text that ends its thinking: the grammar applies from after it, and the
+    # thinking before it is free (vLLM's rule); "" applies it from the first token.
+    reasoning_end: str = ""
 
     @classmethod
     def of(cls, kind: str, value, strict: bool = True, field: str = "structured_outputs") -> GrammarSpec:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import GrammarSpec
+from engine.structured_output.after_reasoning import AfterReasoning
 from engine.structured_output.grammar import xgrammar
 from engine.structured_output.store import GrammarStore
 
@@ -23,13 +24,18 @@ class StructuredOutputs:
         self.apply_bitmask = apply_bitmask
         self.vocab_size = vocab_size
         self.end_token_ids = list(eos_token_ids)  # the tokens a grammar ends on
+        self.tokenizer = tokenizer  # to find the end of a stream's reasoning in its text
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.store = GrammarStore(info, config.grammar_cache_mib << 20, config.grammar_compile_timeout_s,
                                   config.json_value_limits)
 
     def matcher(self, spec: GrammarSpec, max_tokens: int | None, accepted: list[int]):
-        """A fresh matcher for a stream, advanced over the tokens it already has."""
+        """A fresh matcher for a stream, advanced over the tokens it already has; for a spec with a
+        reasoning_end, one that starts where the stream's reasoning ends."""
         m = self.xgr.GrammarMatcher(self.store.compiled(spec, max_tokens))
+        if spec.reasoning_end:
+            m = AfterReasoning(m, spec.reasoning_end,
+                               lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         for token in accepted:
             if not m.accept_token(token):
                 raise ValueError("a stream's earlier tokens do not follow its grammar")

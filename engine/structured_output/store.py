@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import threading
 
 from engine.sampling_params import GrammarSpec, UnsatisfiableRequestError
@@ -33,9 +34,10 @@ class GrammarStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewise-grammar")
 
     def key(self, spec: GrammarSpec, max_tokens: int | None) -> tuple:
-        """What a compiled grammar depends on: the spec and, for JSON, the closing bounds."""
+        """What a compiled grammar depends on: the spec (not where it starts) and, for JSON, the
+        closing bounds."""
         bounded = self.json_value_limits and spec.kind in ("json", "json_object")
-        return spec, string_chars(max_tokens) if bounded else None
+        return dataclasses.replace(spec, reasoning_end=""), string_chars(max_tokens) if bounded else None
 
     def start(self, spec: GrammarSpec, max_tokens: int | None) -> concurrent.futures.Future:
         """A future of the compiled grammar: done if cached, else compiling (started once per key)."""
