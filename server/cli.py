@@ -21,6 +21,7 @@ import socket
 import sys
 
 from engine.arg_utils import add_engine_args, add_model_positional, engine_config_from_args
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.startup import StartupError
 from server.tool_calls import PARSERS, ToolConfig
 
@@ -82,6 +83,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
                         "</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
+    g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split a thinking model's chat replies into message.reasoning_content (streamed: "
+                        "delta.reasoning_content) and the answer in content: qwen3 and deepseek_r1 (<think>..."
+                        "</think>; deepseek_r1's reply starts inside the thought), gpt_oss (harmony's analysis and "
+                        "final channels; openai_gptoss is vLLM's other name for it). Tool calls are read from the "
+                        "answer, and a request's grammar applies once the reasoning has ended")
+    g.add_argument("--enable-reasoning", action="store_true",
+                   help="vLLM's older switch for --reasoning-parser, which it needs; the parser alone is enough")
     g.add_argument("--parse-special-tokens-in-messages", action="store_true",
                    help="special-token text in chat messages, tool calls and tool definitions becomes control "
                         "tokens (transformers' and vLLM's behaviour); by default it is plain text, so a message "
@@ -161,6 +170,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         return _error(ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
                                  "it says how this model writes its calls"))
+    if args.enable_reasoning and not args.reasoning_parser:
+        return _error(ValueError("--enable-reasoning needs --reasoning-parser (qwen3, deepseek_r1 or gpt_oss): it says "
+                                 "how this model marks its reasoning"))
     try:
         config = engine_config_from_args(args)
         limit = connection_limit(args.limit_connections, raise_open_files_limit())
@@ -206,7 +218,8 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
-                    exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+                    exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser,
+                                                                 args.reasoning_parser),
                     parse_special_tokens_in_messages=args.parse_special_tokens_in_messages)
     uv_config = uvicorn.Config(app, http=HTTPProtocol, ws="none", log_level=args.uvicorn_log_level or log_level.lower(),
                                timeout_keep_alive=args.timeout_keep_alive,

@@ -8,10 +8,24 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_serializer
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # the completion tokens that spelled the reasoning (its tags included)
+
+
+def _without_none(data: dict, *keys: str) -> dict:
+    """`data` without those of `keys` whose value is None (fields only a reasoning parser sets)."""
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the reasoning's tokens included
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
+
+    @model_serializer(mode="wrap")
+    def _details_when_known(self, handler):
+        return _without_none(handler(self), "completion_tokens_details")
 
 
 class CompletionLogprobs(BaseModel):
@@ -68,8 +82,13 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (vLLM's field; --reasoning-parser)
     refusal: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_parsed(self, handler):
+        return _without_none(handler(self), "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -113,6 +132,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -31,10 +31,13 @@ LLAMA_TAG = "<|python_tag|>"
 
 @dataclass(frozen=True)
 class ToolConfig:
-    """The server's flags: --enable-auto-tool-choice and --tool-call-parser."""
+    """The server's flags for reading a chat reply's text: --enable-auto-tool-choice and
+    --tool-call-parser, and --reasoning-parser (server/reasoning/), whose answer part is where
+    tool calls are read."""
 
     enable_auto: bool = False
     parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 from engine.sampling_params import SamplingParams
-from server.reasoning.base import CONTENT, REASONING, ReasoningParser
+from server.reasoning.base import CONTENT, REASONING, ReasoningParser, count_reasoning_tokens
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
 from server.reasoning.gpt_oss import GptOssParser
 from server.reasoning.qwen3 import Qwen3Parser
 
-__all__ = ["CONTENT", "PARSERS", "REASONING", "Reasoning", "ReasoningParser"]
+__all__ = ["CONTENT", "PARSERS", "REASONING", "Reasoning", "ReasoningParser", "count_reasoning_tokens"]
 
 # vLLM's names; openai_gptoss is vLLM's registry name for gpt-oss's.
 PARSERS = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser, "gpt_oss": GptOssParser,

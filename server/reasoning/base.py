@@ -80,3 +80,19 @@ class ReasoningParser:
         if self.content_offset == 0:
             return None, content
         return reasoning or None, content or None
+
+
+def count_reasoning_tokens(token_ids: list[int], content_offset: int | None, decode) -> int:
+    """How many of a choice's tokens spelled its reasoning (its markup included): the fewest whose
+    text reaches where the answer starts (all of them while the reasoning has not ended; none for
+    a reply without reasoning). `decode`: token ids -> text, as the reply was detokenized."""
+    if content_offset is None:
+        return len(token_ids)
+    lo, hi = 0, len(token_ids)
+    while lo < hi:  # the first prefix whose text is at least content_offset characters long
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= content_offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -16,9 +16,10 @@ from server.openapi import route_docs
 from server.prompts import resolve_max_tokens
 from server import tool_calls
 from server.protocol import ChatCompletionRequest
+from server.reasoning import CONTENT, REASONING, Reasoning, ReasoningParser, count_reasoning_tokens
 from server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-                              ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                              FunctionCall, ToolCallOut, UsageInfo)
+                              ChatResponseMessage, ChatStreamChoice, CompletionTokensDetails, DeltaFunctionCall,
+                              DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
 from server.routes.common import (check_request, engine_errors, error_event_body, new_id, read_request,
                                   sampling_errors)
 from server.sse import DONE, event, sse_response
@@ -46,12 +47,13 @@ async def create_chat_completion(request: Request):
                 raise RequestError("tool_choice", f" {body.tool_choice!r} constrains the output itself: drop "
                                                   f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
             params = dataclasses.replace(params, structured_outputs=plan.grammar)
+        params = _reasoning(state, body, prompt.text).sampling_params(params)
         await check_request(state, prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
     stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),
                                  params.n)
-    render = _Renderer(state, body, request_id, plan)
+    render = _Renderer(state, body, request_id, plan, prompt.text)
     try:
         with engine_errors(renames):
             (stream,) = await unless_disconnected(request, primed_all([stream]))
@@ -69,20 +71,34 @@ def _renames(body: ChatCompletionRequest, plan: tool_calls.Plan) -> dict[str, st
             "structured_outputs": "tools" if plan.grammar else body.grammar_field}
 
 
+def _reasoning(state: ServerState, body: ChatCompletionRequest, prompt_text: str | None) -> Reasoning:
+    """How this request's replies are read: the server's --reasoning-parser, with what the prompt and
+    chat_template_kwargs (Qwen3's enable_thinking) say about thinking."""
+    return Reasoning(state.tools.reasoning_parser, prompt_text, body.chat_template_kwargs or {})
+
+
 @dataclasses.dataclass
-class _ToolStream:
-    text: str = ""  # the choice's text so far
+class _ChoiceStream:
+    """One streamed choice: its reasoning parser, and in a tool mode its answer so far and what went out."""
+
+    parser: ReasoningParser | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # kept to count the reasoning's tokens
+    text: str = ""  # the answer so far (tool modes)
     sent: int = 0  # how much of it went out as content ("auto")
     called: bool = False  # a tool call went out
     args_sent: list[int] = dataclasses.field(default_factory=list)  # per streamed call: arguments text sent
 
 
 class _Renderer:
-    """Engine outputs (cumulative) -> chat.completion responses and chat.completion.chunk deltas."""
+    """Engine outputs -> chat.completion responses and chat.completion.chunk deltas. With a reasoning
+    parser a choice's text is split first: the reasoning goes to reasoning_content, and the answer
+    is what the tool modes read."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, plan: tool_calls.Plan):
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str, plan: tool_calls.Plan,
+                 prompt_text: str | None = None):
         self.state, self.body, self.id, self.plan = state, body, request_id, plan
         self.parser = state.tools.parser
+        self.reasoning = _reasoning(state, body, prompt_text)
         self.created = int(time.time())
         self.model = state.served_model_name
 
@@ -92,10 +108,15 @@ class _Renderer:
         return ChatLogprobs(content=chat_logprobs(ids, positions or [{}] * len(ids), self.state.token_texts,
                                                   self.body.top_logprobs or 0))
 
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def _usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
+        details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
+
+    def _reasoning_tokens(self, parser: ReasoningParser, token_ids: list[int]) -> int:
+        skip = self.body.skip_special_tokens and not parser.needs_special_tokens
+        return count_reasoning_tokens(token_ids, parser.content_offset,
+                                      lambda ids: self.state.tokenizer.decode(ids, skip_special_tokens=skip))
 
     @staticmethod
     def _finish(called: bool, reason: str | None) -> str | None:
@@ -103,29 +124,55 @@ class _Renderer:
         return "tool_calls" if called and reason == "stop" else reason
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = []
+        choices, reasoning_tokens = [], None
         for c in output.outputs:
-            content, calls = tool_calls.calls_from_text(self.plan, c.text, self.parser)
-            message = ChatResponseMessage(content=content, tool_calls=[
+            parser = self.reasoning.new_parser()
+            reasoning, answer = (None, c.text) if parser is None else parser.split(c.text)
+            content, calls = tool_calls.calls_from_text(self.plan, answer or "", self.parser)
+            if answer is None and not calls:
+                content = None  # the reply was all reasoning
+            if parser is not None:
+                reasoning_tokens = (reasoning_tokens or 0) + self._reasoning_tokens(parser, c.token_ids)
+            message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=[
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
                                       finish_reason=self._finish(bool(calls), c.finish_reason),
                                       stop_reason=c.stop_reason))
-        usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+        usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
+                            reasoning_tokens)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=usage)
 
-    def _tool_deltas(self, c, st: _ToolStream):
-        """The DeltaMessages for this piece of a choice's text in a tool mode."""
-        st.text += c.text
+    def _deltas(self, c, st: _ChoiceStream):
+        """The DeltaMessages for this piece of a choice's text: its reasoning, then its answer as
+        content or, in a tool mode, as tool-call deltas."""
+        finished = c.finish_reason is not None
+        if st.parser is None:
+            pieces = [(CONTENT, c.text)]
+        else:
+            pieces = st.parser.feed(c.text) + (st.parser.finish() if finished else [])
+        for kind, text in pieces:
+            if kind == REASONING:
+                yield DeltaMessage(reasoning_content=text)
+            elif self.plan.mode == "none":
+                if text:
+                    yield DeltaMessage(content=text)
+            else:
+                yield from self._tool_deltas(text, st)
+        if finished and self.plan.mode != "none":
+            yield from self._tool_deltas("", st, finished=True)
+
+    def _tool_deltas(self, text: str, st: _ChoiceStream, finished: bool = False):
+        """The DeltaMessages for this piece of a choice's answer in a tool mode."""
+        st.text += text
         if self.plan.mode == "named":
             if not st.called:
                 st.called = True
                 call = tool_calls.ToolCall(self.plan.name, "")
                 yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=call.id, type="function",
                                                              function=DeltaFunctionCall(name=call.name, arguments=""))])
-            if c.text:
-                yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=c.text))])
+            if text:
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))])
             return
         if self.plan.mode == "auto":  # content up to what may start a call
             safe = tool_calls.may_start_call(self.parser, st.text)
@@ -143,7 +190,7 @@ class _Renderer:
                 yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=DeltaFunctionCall(
                     arguments=call.arguments[st.args_sent[i]:]))])
                 st.args_sent[i] = len(call.arguments)
-        if c.finish_reason is None:
+        if not finished:
             return
         _, calls = tool_calls.calls_from_text(self.plan, st.text, self.parser)
         if calls[len(st.args_sent):]:  # calls the scanner could not follow (arguments before the name): whole
@@ -159,38 +206,39 @@ class _Renderer:
                                          usage=usage))
 
     async def events(self, stream):
-        """Each delta as chunks: the role first, then content (and logprobs) or tool-call deltas,
-        then finish_reason. Calls stream as they are generated: each call's id and name once its
-        name is complete, then its arguments' text piece by piece; with "auto", content streams
-        until what may be a call's start."""
-        started: set[int] = set()  # choices whose role chunk went out
-        tools: dict[int, _ToolStream] = {}  # tool modes: each choice's text and what went out
+        """Each delta as chunks: the role first, then reasoning_content (with a reasoning parser),
+        then content (and logprobs) or tool-call deltas, then finish_reason. Calls stream as they
+        are generated: each call's id and name once its name is complete, then its arguments' text
+        piece by piece; with "auto", content streams until what may be a call's start."""
+        choices: dict[int, _ChoiceStream] = {}  # each choice's parser and tool-mode state, from its first delta
         prompt_tokens = completion_tokens = 0
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
                 for c in output.outputs:
                     completion_tokens += len(c.token_ids)
-                    if c.index not in started:
-                        started.add(c.index)
+                    if c.index not in choices:
+                        choices[c.index] = _ChoiceStream(parser=self.reasoning.new_parser())
                         yield self._chunk([ChatStreamChoice(index=c.index,
                                                             delta=DeltaMessage(role="assistant", content=""))])
-                    if self.plan.mode == "none":
-                        if c.text or (c.token_ids and self.body.logprobs):
-                            yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                                logprobs=self._logprobs(c.token_ids, c.logprobs))])
-                        called = False
-                    else:
-                        st = tools.setdefault(c.index, _ToolStream())
-                        for delta in self._tool_deltas(c, st):
-                            yield self._chunk([ChatStreamChoice(index=c.index, delta=delta)])
-                        called = st.called
+                    st = choices[c.index]
+                    st.token_ids += c.token_ids
+                    logprobs = self._logprobs(c.token_ids, c.logprobs) if self.plan.mode == "none" else None
+                    deltas = list(self._deltas(c, st))
+                    if not deltas and logprobs is not None and c.token_ids:
+                        deltas = [DeltaMessage(content="")]  # text held back: the logprobs go out now
+                    for i, delta in enumerate(deltas):
+                        yield self._chunk([ChatStreamChoice(index=c.index, delta=delta,
+                                                            logprobs=logprobs if i == 0 else None)])
                     if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                            finish_reason=self._finish(called, c.finish_reason),
+                                                            finish_reason=self._finish(st.called, c.finish_reason),
                                                             stop_reason=c.stop_reason)])
             if self.body.include_usage:
-                yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens))
+                reasoning_tokens = None
+                if self.reasoning.parser is not None:
+                    reasoning_tokens = sum(self._reasoning_tokens(st.parser, st.token_ids) for st in choices.values())
+                yield self._chunk([], usage=self._usage(prompt_tokens, completion_tokens, reasoning_tokens))
         except Exception as e:  # the engine died mid-stream: tell the client inside the stream
             yield event(error_event_body(e, _renames(self.body, self.plan)))
         finally:
