@@ -160,3 +160,15 @@ def test_gpt_oss_analysis_is_reasoning_and_final_is_the_answer(tmp_path_factory)
             assert usage.completion_tokens_details.reasoning_tokens == 7
     finally:
         proc.stop()
+
+
+@pytest.mark.slow  # the engine's imports (~5 s)
+def test_enable_reasoning_without_a_parser_is_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    from tests.server.server_harness import ROOT, clean_env
+
+    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--enable-reasoning"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--reasoning-parser" in r.stderr and len(r.stderr.strip().splitlines()) == 1
