@@ -82,7 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "its calls in the text (named functions and 'required' work without it)")
     g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
-                        "</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
+                        "</tool_call>), llama3_json (Llama 3.x: a JSON object), mistral ([TOOL_CALLS] then a JSON "
+                        "array or name{arguments}) or pythonic (Llama 3.2/4: [fn(arg=value), ...])")
     g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split a thinking model's chat replies into message.reasoning_content (streamed: "
                         "delta.reasoning_content) and the answer in content: qwen3 and deepseek_r1 (<think>..."
@@ -168,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
     log_level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        return _error(ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
+        return _error(ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)}): "
                                  "it says how this model writes its calls"))
     if args.enable_reasoning and not args.reasoning_parser:
         return _error(ValueError("--enable-reasoning needs --reasoning-parser (qwen3, deepseek_r1 or gpt_oss): it says "

@@ -8,7 +8,8 @@ What a request's `tools` and `tool_choice` turn into (`plan`):
   {...}}, ...] (one at most unless parallel_tool_calls), each against its function's schema.
 - "auto": free generation, then the server's `--tool-call-parser` finds calls in the text
   (needs `--enable-auto-tool-choice`, as in vLLM): hermes / Qwen `<tool_call>{json}</tool_call>`
-  blocks, or Llama 3's bare JSON object(s) `{"name": ..., "parameters": {...}}`.
+  blocks, Llama 3's bare JSON object(s) `{"name": ..., "parameters": {...}}`, or the formats of
+  server/tool_formats.py (mistral's `[TOOL_CALLS]`, pythonic lists).
 
 Streamed, every mode sends each call's id and name once the name is complete, then its
 arguments' text as it is generated (`partial_calls` follows the growing text).
@@ -22,8 +23,11 @@ import uuid
 from dataclasses import dataclass
 
 from engine.sampling_params import GrammarSpec, RequestError
+from server import tool_formats
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# Parsers whose marker is a special token: the reply is detokenized with special tokens.
+READS_SPECIAL_TOKENS = ("mistral",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 HERMES_START = "<tool_call>"
 LLAMA_TAG = "<|python_tag|>"
@@ -50,11 +54,17 @@ class ToolCall:
         self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
 
 
+def call_id(parser: str | None) -> str:
+    """A new call's id: Mistral's templates require 9 letters and digits of the ids sent back."""
+    return uuid.uuid4().hex[:9] if parser == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class Plan:
     mode: str  # none | named | required | auto
     grammar: GrammarSpec | None = None
     name: str | None = None  # the named function
+    special_tokens: bool = False  # the parser reads a special token's text: detokenize with them
 
 
 def _functions(tools: list) -> dict[str, dict]:
@@ -98,7 +108,7 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
         if not (config.enable_auto and config.parser):
             raise RequestError("tool_choice", " 'auto' needs the server started with --enable-auto-tool-choice and "
                              "--tool-call-parser (or use 'required' or a named function)")
-        return Plan("auto")
+        return Plan("auto", special_tokens=config.parser in READS_SPECIAL_TOKENS)
     raise RequestError("tool_choice", f" must be none, auto, required or {{'type': 'function', 'function': "
                      f"{{'name': ...}}}}, got {str(tool_choice)[:100]!r}")
 
@@ -106,13 +116,13 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
 def calls_from_text(p: Plan, text: str, parser: str | None) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a finished choice's text."""
     if p.mode == "named":
-        return None, [ToolCall(p.name, text)]
+        return None, [ToolCall(p.name, text, call_id(parser))]
     if p.mode == "required":
         # The arguments as generated, as a stream sends them; a call cut short (max_tokens, a stop
         # string) keeps what was generated of them, as streamed; text cut before the first call's
         # name is complete is content, as streamed.
         calls = partial_calls("required", None, text)
-        return (None, [ToolCall(c.name, c.arguments) for c in calls]) if calls else (text, [])
+        return (None, [ToolCall(c.name, c.arguments, call_id(parser)) for c in calls]) if calls else (text, [])
     if p.mode == "auto":
         return parse(parser, text)
     return text, []
@@ -139,6 +149,14 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
         if not calls or any(c is None for c in calls):
             return text, []
         return None, calls
+    if parser == "mistral":
+        found = tool_formats.mistral(text)
+        if not found or not found[1]:
+            return text, []
+        return found[0], [ToolCall(name, args, call_id(parser)) for name, args in found[1]]
+    if parser == "pythonic":
+        found = tool_formats.pythonic(text)
+        return (None, [ToolCall(name, args) for name, args in found]) if found else (text, [])
     raise ValueError(f"unknown tool-call parser {parser!r}: one of {', '.join(PARSERS)}")
 
 
@@ -173,14 +191,17 @@ def _split_json_objects(text: str) -> list[str]:
 def may_start_call(parser: str, text: str) -> int:
     """Streaming with "auto": how much of `text` (the choice's text so far) is surely content. A
     call's start, or what could still become one, is held back until the choice ends."""
-    if parser == "hermes":
-        at = text.find(HERMES_START)
+    if parser in ("hermes", "mistral"):
+        marker = HERMES_START if parser == "hermes" else tool_formats.MISTRAL_START
+        at = text.find(marker)
         if at >= 0:
             return at
-        for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):  # a partial '<tool_call' at the end
-            if HERMES_START.startswith(text[-k:]):
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a partial marker at the end
+            if marker.startswith(text[-k:]):
                 return len(text) - k
         return len(text)
+    if parser == "pythonic":
+        return 0 if tool_formats.pythonic_may_start(text) else len(text)
     stripped = text.lstrip()
     if not stripped or stripped[0] == "{" or LLAMA_TAG.startswith(stripped[:len(LLAMA_TAG)]):
         return 0  # a Llama 3 call is the whole message
@@ -201,9 +222,16 @@ class PartialCall:
 
 def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]:
     """The calls in a choice's text so far, each once its name is known, with as much of its
-    arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks and
-    Llama 3 objects, written name first (as these models, and the "required" grammar, write them)."""
-    if mode == "required":
+    arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks, Llama 3
+    objects and mistral's JSON arrays, written name first (as these models, and the "required"
+    grammar, write them), and mistral's name{arguments}. Pythonic calls come whole at the end."""
+    if mode == "auto" and parser == "mistral":
+        at = text.find(tool_formats.MISTRAL_START)
+        after = at + len(tool_formats.MISTRAL_START)
+        if at >= 0 and not text[after:].lstrip().startswith("["):
+            return _mistral_partial(text)
+        starts = _object_starts(text, text.index("[", after) + 1) if at >= 0 and "[" in text[after:] else []
+    elif mode == "required":
         starts = _object_starts(text, text.find("[") + 1) if text.lstrip().startswith("[") else []
     elif mode == "auto" and parser == "hermes":
         starts = [text.index("{", i) for i in _marker_ends(text) if "{" in text[i:]]
@@ -220,6 +248,16 @@ def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]
             break  # the name (or the start of the arguments) is not complete yet
         end, complete = _value_end(text, m.end())
         calls.append(PartialCall(json.loads(f'"{m.group(1)}"'), text[m.end():end], complete))
+        if not complete:
+            break
+    return calls
+
+
+def _mistral_partial(text: str) -> list[PartialCall]:
+    calls = []
+    for name, start in tool_formats.mistral_partial(text):
+        end, complete = _value_end(text, start)
+        calls.append(PartialCall(name, text[start:end], complete))
         if not complete:
             break
     return calls

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import RequestError
+from engine.sampling_params import RequestError, SamplingParams
 from server.logprobs import chat_logprobs
 from server.openapi import route_docs
 from server.prompts import resolve_max_tokens
@@ -47,7 +47,7 @@ async def create_chat_completion(request: Request):
                 raise RequestError("tool_choice", f" {body.tool_choice!r} constrains the output itself: drop "
                                                   f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
             params = dataclasses.replace(params, structured_outputs=plan.grammar)
-        params = _reasoning(state, body, prompt.text).sampling_params(params)
+        params = _reply_params(state, body, plan, prompt.text, params)
         await check_request(state, prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
@@ -69,6 +69,15 @@ def _renames(body: ChatCompletionRequest, plan: tool_calls.Plan) -> dict[str, st
     """The engine's field names -> the ones this request sent (its errors name those)."""
     return {"max_tokens": body.max_tokens_field, "logprobs": "top_logprobs", "prompt": "messages",
             "structured_outputs": "tools" if plan.grammar else body.grammar_field}
+
+
+def _reply_params(state: ServerState, body: ChatCompletionRequest, plan: tool_calls.Plan, prompt_text: str | None,
+                  params: SamplingParams) -> SamplingParams:
+    """The sampling parameters as the reply's parsers need them: a grammar that waits for the end of
+    the reasoning, special tokens kept where a parser reads one (gpt-oss's channels, [TOOL_CALLS])."""
+    if plan.special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return _reasoning(state, body, prompt_text).sampling_params(params)
 
 
 def _reasoning(state: ServerState, body: ChatCompletionRequest, prompt_text: str | None) -> Reasoning:
@@ -168,7 +177,7 @@ class _Renderer:
         if self.plan.mode == "named":
             if not st.called:
                 st.called = True
-                call = tool_calls.ToolCall(self.plan.name, "")
+                call = tool_calls.ToolCall(self.plan.name, "", tool_calls.call_id(self.parser))
                 yield DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=call.id, type="function",
                                                              function=DeltaFunctionCall(name=call.name, arguments=""))])
             if text:
@@ -183,7 +192,7 @@ class _Renderer:
             if i == len(st.args_sent):  # its name is complete: the call's first delta
                 st.called = True
                 st.args_sent.append(0)
-                yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_calls.ToolCall(call.name, "").id,
+                yield DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_calls.call_id(self.parser),
                                                              type="function",
                                                              function=DeltaFunctionCall(name=call.name, arguments=""))])
             if len(call.arguments) > st.args_sent[i]:
