@@ -47,3 +47,42 @@ def test_a_reply_that_never_ends_its_thought_is_never_constrained(llm):
     """Until the end text appears every token is allowed, the end token included."""
     spec = GrammarSpec("choice", '["London"]', reasoning_end="</never>")
     assert _reply(llm, spec) == "<think>Hmm</think>Paris"
+
+
+class _Recorder:
+    """A matcher that records what it is given (and refuses strings starting with 'x')."""
+
+    def __init__(self):
+        self.tokens, self.strings, self.filled = [], [], 0
+
+    def accept_token(self, token_id):
+        self.tokens.append(token_id)
+        return True
+
+    def accept_string(self, text):
+        self.strings.append(text)
+        return not text.startswith("x")
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        self.filled += 1
+
+    def is_terminated(self):
+        return False
+
+
+def test_the_end_text_is_found_across_tokens_and_what_follows_it_in_its_token_goes_to_the_grammar():
+    from engine.structured_output.after_reasoning import AfterReasoning
+
+    pieces = {1: "I think </", 2: "thi", 3: "nk>\n", 4: "{", 5: "nk>ab", 6: "nk>xy"}
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    for tail, given, accepted in ((3, [], True), (5, ["ab"], True), (6, ["xy"], False)):
+        inner = _Recorder()
+        m = AfterReasoning(inner, "</think>", decode)
+        assert m.accept_token(1) and m.accept_token(2)
+        m.fill_next_token_bitmask(None, 0)
+        assert m.reasoning and inner.filled == 0 and inner.tokens == []  # free while it reasons
+        assert m.accept_token(tail) is accepted  # "\n" after the tag is left out; "xy" the grammar refuses
+        assert not m.reasoning and inner.strings == given and inner.tokens == []
+        m.accept_token(4)
+        m.fill_next_token_bitmask(None, 0)
+        assert inner.tokens == [4] and inner.filled == 1
