@@ -40,6 +40,20 @@ class ParamTensor:
     # engine/layers/moe.py keeps its logits' weight in float32); "dtype", the model's dtype (an untied
     # embedding, norms, biases, routed experts: the engine's fused experts hold float weights).
     storage: str = "dtype"
+    in_features: int = 0  # a linear layer's input width (its weight's row length); 0 for other tensors
+    row_parallel: bool = False  # a linear layer whose input TP splits (o, down): each rank holds every row
+
+
+class Projection(NamedTuple):
+    """One linear projection of a layer, weight [out_features, in_features]."""
+
+    name: str  # the Hugging Face module name, as PEFT's target_modules match it (GPT's c_fc is "fc")
+    target: str  # q, k, v, o, gate, up or down
+    in_features: int
+    out_features: int
+    split: str  # how TP shards the weight (ParamTensor.split)
+    row_parallel: bool  # TP splits the input (o, down), not the output
+    place: str  # ParamTensor.place: "layer", "dense" (a dense MLP) or "moe" (an MoE layer's shared expert)
 
 
 @dataclass(frozen=True)
@@ -208,47 +222,58 @@ class ModelSpec:
         """Elements of one routed expert: gate, up and down projections of a SwiGLU MLP, 3hf."""
         return 3 * self.hidden_size * self.expert_ffn_size
 
+    def projections(self) -> list[Projection]:
+        """The linear projections of a layer (q/k/v per slice where GPT-2 fuses them into `c_attn`): the
+        shapes of the linear layers' weights, and what LoRA adapts."""
+        h, f, fs = self.hidden_size, self.ffn_hidden_size, self.shared_expert_ffn_size
+        p = [Projection("q_proj", "q", h, self.q_size, "heads", False, "layer"),
+             Projection("k_proj", "k", h, self.kv_size, "kv_heads", False, "layer"),
+             Projection("v_proj", "v", h, self.kv_size, "kv_heads", False, "layer"),
+             Projection("o_proj", "o", self.q_size, h, "heads", True, "layer")]
+        if len(self.moe_layers) < self.num_layers:  # a dense MLP in some layer
+            up = (("gate_proj", "gate"), ("up_proj", "up")) if self.mlp == "swiglu" else (("fc", "up"),)
+            p += [Projection(name, target, h, f, "ffn", False, "dense") for name, target in up]
+            p.append(Projection("down_proj", "down", f, h, "ffn", True, "dense"))
+        if self.is_moe and fs:
+            p += [Projection(f"shared_expert.{name}", target, h, fs, "ffn", False, "moe")
+                  for name, target in (("gate_proj", "gate"), ("up_proj", "up"))]
+            p.append(Projection("shared_expert.down_proj", "down", fs, h, "ffn", True, "moe"))
+        return p
+
     def param_tensors(self) -> list[ParamTensor]:
         """Every parameter tensor, tied ones once (as `model.parameters()` yields them)."""
-        h, f, norm_tensors = self.hidden_size, self.ffn_hidden_size, 1 if self.norm == "rmsnorm" else 2
+        h, norm_tensors = self.hidden_size, 1 if self.norm == "rmsnorm" else 2
         t = [ParamTensor("embed_tokens", self.vocab_size * h, "vocab", "embed",
                          "head" if self.tie_word_embeddings else "dtype")]
         if self.learned_positions:
             t.append(ParamTensor("embed_positions", self.max_position_embeddings * h, "none", "embed"))
         t += [ParamTensor(f"input_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
+        proj = self.projections()
         if self.fused_qkv:  # GPT-2 c_attn; GPT-2 has no GQA, so the whole tensor splits by heads
-            t.append(ParamTensor("qkv_proj", h * (self.q_size + 2 * self.kv_size), "heads", "layer", "linear"))
+            out = sum(p.out_features for p in proj[:3])
+            t.append(ParamTensor("qkv_proj", h * out, "heads", "layer", "linear", in_features=h))
             if self.qkv_bias:
-                t.append(ParamTensor("qkv_proj.bias", self.q_size + 2 * self.kv_size, "heads", "layer"))
-        else:
-            for proj, size, split in (("q", self.q_size, "heads"), ("k", self.kv_size, "kv_heads"),
-                                      ("v", self.kv_size, "kv_heads")):
-                t.append(ParamTensor(f"{proj}_proj", h * size, split, "layer", "linear"))
-                if self.qkv_bias:
-                    t.append(ParamTensor(f"{proj}_proj.bias", size, split, "layer"))
-        if self.qk_norm:
-            t += [ParamTensor("q_norm", self.head_dim, "none", "layer"),
-                  ParamTensor("k_norm", self.head_dim, "none", "layer")]
-        t.append(ParamTensor("o_proj", self.q_size * h, "heads", "layer", "linear"))
-        if self.out_bias:
-            t.append(ParamTensor("o_proj.bias", h, "none", "layer"))  # row-parallel bias: replicated
-        t += [ParamTensor(f"post_attention_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
-        up = ("gate_proj", "up_proj") if self.mlp == "swiglu" else ("fc",)
-        for proj in up:
-            t.append(ParamTensor(proj, h * f, "ffn", "dense", "linear"))
-            if self.mlp_bias:
-                t.append(ParamTensor(f"{proj}.bias", f, "ffn", "dense"))
-        t.append(ParamTensor("down_proj", f * h, "ffn", "dense", "linear"))
-        if self.mlp_bias:
-            t.append(ParamTensor("down_proj.bias", h, "none", "dense"))
+                t.append(ParamTensor("qkv_proj.bias", out, "heads", "layer"))
+            proj = proj[3:]
+        for p in proj:
+            if p.name == "o_proj" and self.qk_norm:
+                t += [ParamTensor("q_norm", self.head_dim, "none", "layer"),
+                      ParamTensor("k_norm", self.head_dim, "none", "layer")]
+            t.append(ParamTensor(p.name, p.in_features * p.out_features, p.split, p.place, "linear",
+                                 in_features=p.in_features, row_parallel=p.row_parallel))
+            bias = {"q": self.qkv_bias, "k": self.qkv_bias, "v": self.qkv_bias, "o": self.out_bias}.get(
+                p.target, self.mlp_bias and p.place == "dense")
+            if bias:  # a row-parallel layer's bias is added after the all-reduce: replicated
+                t.append(ParamTensor(f"{p.name}.bias", p.out_features, "none" if p.row_parallel else p.split,
+                                     p.place))
+            if p.name == "o_proj":
+                t += [ParamTensor(f"post_attention_norm.{i}", h, "none", "layer") for i in range(norm_tensors)]
         if self.is_moe:
-            e, fe, fs = self.num_experts, self.expert_ffn_size, self.shared_expert_ffn_size
+            e, fe = self.num_experts, self.expert_ffn_size
             t += [ParamTensor("router", e * h, "none", "moe", "float32"),
                   ParamTensor("experts.gate_up_proj", e * 2 * fe * h, "experts", "moe"),
                   ParamTensor("experts.down_proj", e * h * fe, "experts", "moe")]
-            if fs:
-                t += [ParamTensor(f"shared_expert.{proj}", h * fs, "ffn", "moe", "linear")
-                      for proj in ("gate_proj", "up_proj", "down_proj")]
+            if self.shared_expert_ffn_size:
                 t.append(ParamTensor("shared_expert_gate", h, "none", "moe"))
         t += [ParamTensor(f"final_norm.{i}", h, "none", "head") for i in range(norm_tensors)]
         if not self.tie_word_embeddings:
@@ -323,17 +348,30 @@ class ModelSpec:
         return self._scaled(max(sum(n * bytes_of(p, self._shard(p, tp, shards)) for p, n in tensors)
                                 for tensors in self._stages(pp)))
 
-    @functools.cache
-    def _stages(self, pp: int) -> tuple[tuple[tuple[ParamTensor, int], ...], ...]:
-        """Each pipeline stage's tensors and how many of each it holds."""
+    def extra_tensors_per_gpu(self, tensors: list[ParamTensor], tp: int = 1, pp: int = 1) -> StageParams:
+        """Elements and tensors of `tensors` that are not the model's own (LoRA adapters), placed per layer
+        as the model's are, on the pipeline stage that holds the most of them; no `params_override` scaling."""
+        return max(StageParams(sum(count[p.place] * self._shard(p, tp, tp) for p in tensors),
+                               sum(count[p.place] for p in tensors)) for count in self._place_counts(pp))
+
+    def _place_counts(self, pp: int) -> list[dict[str, int]]:
+        """How many of each ParamTensor.place each pipeline stage holds: stages own contiguous layers, the
+        first `L mod pp` stages one more."""
         base, extra = divmod(self.num_layers, pp)
-        stages, start, moe = [], 0, set(self.moe_layers)
+        counts, start, moe = [], 0, set(self.moe_layers)
         for stage in range(pp):
             layers = range(start, start + base + (stage < extra))
             start = layers.stop
             moe_count = sum(i in moe for i in layers)
-            count = {"embed": int(stage == 0), "layer": len(layers), "dense": len(layers) - moe_count,
-                     "moe": moe_count, "head": int(stage == pp - 1)}
+            counts.append({"embed": int(stage == 0), "layer": len(layers), "dense": len(layers) - moe_count,
+                           "moe": moe_count, "head": int(stage == pp - 1)})
+        return counts
+
+    @functools.cache
+    def _stages(self, pp: int) -> tuple[tuple[tuple[ParamTensor, int], ...], ...]:
+        """Each pipeline stage's tensors and how many of each it holds."""
+        stages = []
+        for stage, count in enumerate(self._place_counts(pp)):
             tensors = [(p, count[p.place]) for p in self.param_tensors()]
             if stage == pp - 1 and pp > 1 and self.tie_word_embeddings:
                 tensors.append((ParamTensor("lm_head", self.vocab_size * self.hidden_size, "vocab", "head", "head"), 1))
