@@ -14,6 +14,11 @@ What autograd keeps, op by op (the rules every entry below follows):
   HF RMSNorm: input in fp32, fp32 rstd per token, and the normalized value the weight multiplies
   residual add, reshape, rotary multiply by cos/sin tables: nothing per token
 
+LoRA (lora.py) keeps, per targeted projection, A's r-wide output (B's input) and, with lora_dropout,
+the dropped copy of the projection's input (A's input) and its mask. The projection's own input, which A
+reads without dropout, is the base layer's input counted above: the count is that of full fine-tuning plus
+the adapters', so it stays an upper bound where a frozen layer no adapter targets needs not keep its input.
+
 Known gap: Hugging Face's eager Llama attention runs softmax in fp32 and, in 16-bit training, also
 keeps the 16-bit copy (4as bytes per token per layer beyond this count). Eager here means Megatron's
 kernel, which keeps the probabilities once in the activation dtype.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.planning.lora import LoraSpec, targeted_projections
 from engine.planning.spec import ModelSpec
 
 ATTENTION_KERNELS = ("eager", "flash")
@@ -59,7 +65,7 @@ def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
 
 
 def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention: str = "flash",
-                        tp: int = 1, moe: bool | None = None) -> list[Saved]:
+                        tp: int = 1, moe: bool | None = None, lora: LoraSpec | None = None) -> list[Saved]:
     """Everything one layer keeps for backward without recomputation, per token on one TP rank.
     `moe`: an MoE layer rather than a dense one (default: an MoE layer if the model has any)."""
     if attention not in ATTENTION_KERNELS:
@@ -99,6 +105,22 @@ def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention
     else:
         # fc output (GELU input) and GELU output (second linear's input); unfused GELU keeps more
         saved.append(Saved("mlp.gelu", UNFUSED_ACTIVATION_TENSORS.get(spec.activation, 2) * b * ffn))
+    if lora is not None:
+        saved += lora_saved_tensors(spec, lora, act_bytes, tp, moe)
+    return saved
+
+
+def lora_saved_tensors(spec: ModelSpec, lora: LoraSpec, b: int, tp: int, moe: bool) -> list[Saved]:
+    """The adapters of one layer: A's output (r wide on every TP rank: a row-parallel A's partial sums are
+    all-reduced) and, with dropout, its input's dropped copy and mask (a row-parallel input is split)."""
+    saved = []
+    for p in targeted_projections(spec, lora):
+        if p.place == ("dense" if moe else "moe"):
+            continue
+        saved.append(Saved(f"{p.name}.lora_A.output", b * lora.r))
+        if lora.lora_dropout:
+            width = p.in_features // tp if p.row_parallel else p.in_features
+            saved.append(Saved(f"{p.name}.lora_dropout", (b + MASK) * width))
     return saved
 
 
@@ -127,6 +149,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     moe: bool | None = None,
+    lora: LoraSpec | None = None,
 ) -> int:
     """Bytes one layer keeps for one micro-batch on one GPU (Korthikanti et al. 2022, Table 2)."""
     if recompute not in RECOMPUTE:
@@ -136,7 +159,7 @@ def layer_activation_bytes(
     if recompute == "full":
         # §4.1: only the layer's input is checkpointed (2sbh in fp16), split along the sequence with SP
         return math.ceil(tokens * act_bytes * spec.hidden_size / sp)
-    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp, moe)
+    kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp, moe, lora)
             if not (recompute == "selective" and t.core_attention)]
     return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept))
 
@@ -190,6 +213,7 @@ def activation_memory(
     recompute: str = "none",
     pp: int = 1,
     num_micro_batches: int = 1,
+    lora: LoraSpec | None = None,
 ) -> ActivationMemory:
     """Activation bytes on the busiest GPU of a TP x PP layout under the 1F1B pipeline schedule.
 
@@ -198,7 +222,7 @@ def activation_memory(
     The first stage adds the embedding's tensors, the last the head's and the loss's. An MoE model's
     dense and MoE layers are counted each as what they are.
     """
-    layer_kw = dict(attention=attention, tp=tp, sequence_parallel=sequence_parallel)
+    layer_kw = dict(attention=attention, tp=tp, sequence_parallel=sequence_parallel, lora=lora)
     per_layer = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute=recompute, **layer_kw)
     per_dense = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute=recompute, moe=False,
                                        **layer_kw)
@@ -223,7 +247,7 @@ def activation_memory(
         buffer = max(layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, recompute="none", moe=moe,
                                             **layer_kw) for moe in {False, bool(moe_layers)})
     elif recompute == "selective":
-        core = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp) if t.core_attention]
+        core = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp, lora=lora) if t.core_attention]
         buffer = math.ceil(tokens * sum(t.bytes_per_token for t in core))
     else:
         buffer = 0

@@ -21,6 +21,7 @@ from engine.planning.layout import Layout, PlanError, check_expert_parallel, che
 from engine.planning.memory import OFFLOADS, OPTIMIZERS, PRECISIONS, ZERO_ACCOUNTING, ZERO_STAGES
 from engine.planning.explain import explain_training
 from engine.planning.hardware import GPU, GPUS, gpu_preset
+from engine.planning.lora import BASE_QUANTIZATIONS, LORA_TARGETS, LoraSpec, adapter_slot_bytes
 from engine.planning.presets import PRESETS
 from engine.planning.report import search_table, serve_table, train_table
 from engine.planning.search import search_plans
@@ -36,6 +37,9 @@ SERVE_DTYPES = ("bfloat16", "float16", "float32")
 KV_DTYPES = ("auto", *SERVE_DTYPES, "fp8")
 # PlanError settings whose flag's dest is not the setting's own name.
 DESTS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "gpu_memory": "gpu_memory_gib"}
+# --lora-targets spellings: the short names, PEFT's module names, and PEFT's "all-linear"
+TARGET_NAMES = {**{t: (t,) for t in LORA_TARGETS}, **{f"{t}_proj": (t,) for t in LORA_TARGETS},
+                "all-linear": ("all-linear",)}
 
 
 class _GiBAlias(argparse.Action):
@@ -99,13 +103,74 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=canonical_dtype, choices=PRECISIONS, default="mixed",
                    help="mixed: 16-bit weights and gradients, fp32 master copy; fp16/half, bf16, fp32/float "
                         "are accepted")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw8bit: 1-byte states")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw8bit: 1-byte states; adamw32bit: float32 states whatever --dtype (bitsandbytes' "
+                        "paged_adamw_32bit, QLoRA's)")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="eager keeps the s x s softmax")
     p.add_argument("--nodes", type=positive_int, default=1, help="machines")
     p.add_argument("--gpus-per-node", type=positive_int, default=1, help="GPUs in each machine")
     p.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU in GiB, to check the fit "
                                                                  "(default: --gpu's)")
     p.add_argument("--tokens", type=positive_int, help="training tokens in all (or --samples with --epochs)")
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """`q,k,v,o,gate,up,down` (or q_proj,... or all-linear) as LoRA targets, in the model's order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TARGET_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)} is not a LoRA target: give a comma list "
+                                         f"of {', '.join(LORA_TARGETS)} (or q_proj, ... or all-linear); embeddings, "
+                                         "the LM head and routed experts are not adapted")
+    chosen = {t for n in names for t in TARGET_NAMES[n]}
+    return ("all-linear",) if "all-linear" in chosen else tuple(t for t in LORA_TARGETS if t in chosen)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA / QLoRA: train adapters only (PEFT's LoraConfig names)")
+    g.add_argument("--lora-rank", "--lora-r", dest="lora_rank", type=positive_int, metavar="R",
+                   help="LoRA's r: train adapters A (r x in) and B (out x r) on each targeted projection, the base "
+                        "frozen (default: full fine-tuning)")
+    g.add_argument("--lora-targets", "--lora-target-modules", dest="lora_targets", type=lora_targets,
+                   metavar="LIST", help="projections to adapt: a comma list of q, k, v, o, gate, up, down (or q_proj, "
+                                        "..., all-linear); default q,v, PEFT's for Llama")
+    g.add_argument("--lora-alpha", type=positive_float, metavar="A",
+                   help="scale alpha / r of the adapters' output (default 8, PEFT's); changes no memory")
+    g.add_argument("--lora-dropout", type=share, metavar="P",
+                   help="dropout on the adapters' input (default 0, PEFT's); above 0 each targeted projection keeps "
+                        "a dropped copy of its input and a mask for the backward")
+    g.add_argument("--base-quantization", choices=BASE_QUANTIZATIONS,
+                   help="the frozen base's linear layers: nf4 (QLoRA, bitsandbytes' 4-bit NormalFloat), int8 "
+                        "(LLM.int8) or none (the training dtype, default); embeddings, LM head and norms stay 16-bit")
+    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction,
+                   help="nf4: store the blocks' absmax in 8 bits (4.127 bits a weight, QLoRA's default; "
+                        "--no-double-quant: 4.5 bits)")
+
+
+def lora_spec(args: argparse.Namespace, spec: ModelSpec) -> LoraSpec | None:
+    """The LoRA setup of `plan train`'s flags, None for full fine-tuning; flags that need --lora-rank refused.
+    all-linear is every projection the model has, as in PEFT."""
+    given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha),
+                                      ("--lora-dropout", args.lora_dropout),
+                                      ("--base-quantization", args.base_quantization),
+                                      ("--double-quant", args.double_quant)) if value is not None]
+    if args.lora_rank is None:
+        if given:
+            args.parser.error(f"argument {given[0]}: give --lora-rank too (LoRA's r), or drop {given[0]} for full "
+                              "fine-tuning")
+        return None
+    quantization = args.base_quantization or "none"
+    if args.double_quant is not None and quantization != "nf4":
+        args.parser.error("argument --double-quant/--no-double-quant: applies to --base-quantization nf4 only")
+    if args.lora_dropout is not None and args.lora_dropout >= 1:
+        args.parser.error(f"argument --lora-dropout: must be below 1, got {args.lora_dropout:g}")
+    targets = args.lora_targets or ("q", "v")
+    if targets == ("all-linear",):
+        targets = tuple(dict.fromkeys(p.target for p in spec.projections()))
+    return LoraSpec(r=args.lora_rank, target_modules=targets,
+                    lora_alpha=8.0 if args.lora_alpha is None else args.lora_alpha,
+                    lora_dropout=args.lora_dropout or 0.0, base_quantization=quantization,
+                    double_quant=args.double_quant is not False)
 
 
 def add_zero_accounting_flag(p: argparse.ArgumentParser) -> None:
@@ -162,6 +227,7 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
     train.add_argument("--epochs", type=positive_int, help="passes over --samples (default: 1)")
     train.add_argument("--time-per-step", type=positive_float,
                        help="measured seconds per step; gives MFU with --peak-tflops")
+    add_lora_flags(train)
     add_throughput_flags(train)
     train.add_argument("--json", action="store_true", help="print JSON (bytes, FLOPs, seconds) instead of a table")
     train.set_defaults(func=run_train, parser=train)
@@ -199,6 +265,12 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step: sizes the forward's workspace")
     add_engine_arg(g, "max_num_seqs", type=positive_int,
                    help="most sequences running at once: sizes the sampler's workspace")
+    lora = serve.add_argument_group("LoRA adapters (vLLM's names)")
+    lora.add_argument("--max-loras", type=positive_int, metavar="N",
+                      help="adapter slots held on the GPU: each holds A and B at --max-lora-rank for every projection "
+                           "of every layer in --dtype, memory taken from the KV cache (default: no LoRA)")
+    lora.add_argument("--max-lora-rank", type=positive_int, metavar="R",
+                      help="the rank each slot is sized for (default 16, vLLM's); needs --max-loras")
     add_hardware_flags(serve, cpu=True)
     add_slo_flags(serve)
     serve.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
@@ -324,12 +396,13 @@ def run_train(args: argparse.Namespace) -> int:
             attention=args.attention, tokens=args.tokens, samples=args.samples, epochs=args.epochs,
             flops_method=args.flops, throughput=throughput(args), gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
             price_per_gpu_hour=args.price_per_gpu_hour, zero_accounting=args.zero_accounting,
+            lora=lora_spec(args, spec),
         )
     except PlanError as e:
         _plan_error(args.parser, e)
     table = train_table(spec, plan, gib_bytes(args.gpu_memory_gib))
     if args.explain:
-        table += "\n\n" + explain_training(spec, plan, args.dtype, args.seq_len, args.flops)
+        table += "\n\n" + explain_training(spec, plan, args.dtype, args.seq_len, args.flops, args.optimizer)
     return emit(args, {"model": spec.name, **plan.to_json()}, table)
 
 
@@ -371,6 +444,10 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     resolve_hardware(args)
     args.weights = serving_weights(args)
+    if args.max_lora_rank is not None and args.max_loras is None:
+        args.parser.error("argument --max-lora-rank: give --max-loras too (the number of adapter slots)")
+    if args.max_loras and (args.slo or args.concurrency):
+        args.parser.error("argument --max-loras: --slo plans without adapter slots; drop one of them")
     if args.slo or args.concurrency:
         if args.ep > 1:
             args.parser.error("argument --expert-parallel-size/--ep: --slo plans this engine's layouts "
@@ -393,6 +470,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{args.parser.prog}: note: max_model_len limited to the model's sliding window ({max_model_len} "
               "tokens), as the engine limits it", file=sys.stderr)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    slots = 0 if args.max_loras is None else adapter_slot_bytes(spec, args.max_loras, args.max_lora_rank or 16,
+                                                                 dtype_bytes(dtype), tp, pp)
     plan = plan_serving(
         spec, dtype_bytes=dtype_bytes(dtype),
         kv_dtype_bytes=dtype_bytes(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
@@ -400,7 +479,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tp=tp, pp=pp, gpu_memory_bytes=gib_bytes(args.gpu_memory_gib),
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory,
         max_batched_tokens=args.max_num_batched_tokens, max_seqs=args.max_num_seqs, ep=ep, ep_layout=ep_layout,
-        weight_format=args.weights, dtype_name=dtype,
+        weight_format=args.weights, dtype_name=dtype, lora_slot_bytes=slots,
         head_copy=args.gpu == "cpu" and cpu_head_copy(
             spec, dtype, args.weight_format is not None or (args.weights is not None and args.weights.lm_head)),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.planning.layout import Layout
+from engine.planning.lora import LoraSpec, adapter_tensors, frozen_base_bytes
 from engine.planning.spec import ModelSpec
 
 
@@ -85,13 +86,16 @@ def dp_sync(grad_bytes: float, ranks: int, zero: int, micro_batches: int) -> tup
             "2 all-gathers + 1 reduce-scatter, (N-1)/N x K each, per micro-batch (ZeRO-3, paper §7.2: 1.5x DP)")
 
 
-def training_collectives(spec: ModelSpec, layout: Layout, seq_len: int, act_bytes: int) -> list[Collective]:
+def training_collectives(spec: ModelSpec, layout: Layout, seq_len: int, act_bytes: int,
+                         lora: LoraSpec | None = None) -> list[Collective]:
     """The communication of one optimizer step on the busiest GPU of a layout.
 
     Ranks are placed as Megatron-LM does (TP innermost, then DP with EP inside it, PP outermost), so a
     TP group stays in a node, a DP or EP group crosses nodes once tp x dp (tp x ep) exceeds a node, and
     pipeline stages sit on different nodes once there is more than one. `act_bytes` is the size of an
-    activation, a gradient and a 16-bit weight alike (4 in pure float32 training).
+    activation, a gradient and a 16-bit weight alike (4 in pure float32 training). With `lora` the DP
+    ranks synchronize the adapters' gradients only; under ZeRO-3 they also gather the frozen base, at its
+    storage precision, for each micro-batch's forward and backward.
     """
     tp, pp, dp, ep, m, gpn = layout.tp, layout.pp, layout.dp, layout.ep, layout.grad_accum, layout.gpus_per_node
     tokens, h = layout.micro_batch * seq_len, spec.hidden_size
@@ -100,6 +104,17 @@ def training_collectives(spec: ModelSpec, layout: Layout, seq_len: int, act_byte
     out = []
     groups = (("DP gradient sync", stage.elements - stage.expert_elements, dp),
               ("expert-DP gradient sync", stage.expert_elements, dp // ep))
+    if lora is not None:
+        adapters = spec.extra_tensors_per_gpu(adapter_tensors(spec, lora), tp, pp).elements
+        groups = (("DP gradient sync", adapters, dp),) if layout.zero < 3 else ()
+        if layout.zero >= 3 and dp > 1:
+            frozen = frozen_base_bytes(spec, lora, act_bytes, tp, pp, ep * tp)
+            out.append(Collective(
+                "DP gradient sync", "dp", m * (2 * reduce_scatter_bytes(frozen, dp)
+                                               + reduce_scatter_bytes(adapters * act_bytes, dp)), dp, tp * dp > gpn,
+                f"2 all-gathers of the frozen base ({frozen:,} B) + 1 reduce-scatter of {adapters:,} adapter "
+                f"gradients x {act_bytes} B, (N-1)/N each, per micro-batch (ZeRO-3)", overlapped=True,
+                every_micro_batch=True))
     for name, params, ranks in groups:
         if params and ranks > 1:
             volume, how = dp_sync(params * act_bytes, ranks, layout.zero, m)

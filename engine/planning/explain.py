@@ -34,6 +34,13 @@ def explain_training(spec: ModelSpec, plan: TrainPlan, precision: str, seq_len: 
          "per layer: 2 FLOPs per weight x tokens + attention 4 s q_size, x3 for backward (Narayanan et al. 2021, "
          "eq. 3)"),
     ]
+    if plan.lora is not None:
+        lines[1:4] = _lora_lines(plan, b, k, optimizer)
+        lines[-1] = ("FLOPs", f"{plan.flops:.4g}", (
+            "4 x parameters x tokens for the frozen base (forward + input gradients) + 6 x adapter parameters x "
+            "tokens; one more forward of each with full recomputation" if flops_method == "nd" else
+            "per layer: 2 FLOPs per weight x tokens, x2 for frozen weights (no weight gradient), x3 for the adapters "
+            "and attention scores (Narayanan et al. 2021, eq. 3, less the frozen weights' gradients)"))
     for c in plan.communication:
         link = "across nodes" if c["crosses_nodes"] else "inside a node"
         secs = "" if c["seconds"] is None else f", {c['seconds']:.3g} s per step"
@@ -61,3 +68,17 @@ def explain_training(spec: ModelSpec, plan: TrainPlan, precision: str, seq_len: 
     width = max(len(label) for label, _, _ in lines)
     return "how each figure was computed\n" + "\n".join(
         f"  {label:<{width}}  {value}\n  {'':<{width}}    = {how}" for label, value, how in lines)
+
+
+def _lora_lines(plan: TrainPlan, b: int, k: int, optimizer: str) -> list[tuple[str, str, str]]:
+    lora, mem = plan.lora, plan.memory_per_gpu
+    frozen = lora["frozen_weights_per_gpu"]
+    return [
+        ("weights", f"{mem.weights / GiB:.2f} GiB",
+         f"frozen base {frozen / GiB:.2f} GiB, linear layers in {lora['base_storage']} (QLoRA, Dettmers et al. 2023, "
+         f"§3), the rest {b} B a parameter; + {b} B x {plan.trainable_params:,} adapter parameters: r (in + out) per "
+         "targeted projection per layer (Hu et al. 2021, §4.1)"),
+        ("gradients", f"{mem.gradients / GiB:.2f} GiB", f"{b} B x adapter parameters (the base gets none)"),
+        ("optimizer", f"{mem.optimizer / GiB:.2f} GiB", f"K = {k} B x adapter parameters"
+         + (" + a 4 B step per tensor (torch's AdamW)" if optimizer == "adamw" else "") + " (ZeRO §3.1)"),
+    ]

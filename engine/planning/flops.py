@@ -56,12 +56,34 @@ def exact_flops(spec: ModelSpec, seq_len: int, tokens: int, recompute: str = "no
     return float(per_token) * tokens
 
 
-def training_flops(spec: ModelSpec, seq_len: int, tokens: int, method: str, recompute: str) -> tuple[float, float]:
+def training_flops(spec: ModelSpec, seq_len: int, tokens: int, method: str, recompute: str,
+                   adapter_params: int | None = None) -> tuple[float, float]:
     """(FLOPs executed, model FLOPs): the second leaves recomputation out, as MFU requires
-    (Chowdhery et al. 2022, PaLM, Appendix B)."""
+    (Chowdhery et al. 2022, PaLM, Appendix B).
+
+    With `adapter_params` (LoRA) the frozen weights get no weight gradient: the backward costs one forward
+    for them (the gradients of their inputs) and two for the adapters, so 4N + 6N_adapters per token in
+    place of 6N (Hu et al. 2021, §4.2: training is faster as most parameters need no gradient)."""
     if method not in FLOPS_METHODS:
         raise ValueError(f"flops method must be one of {FLOPS_METHODS}, got {method!r}")
+    if adapter_params is not None:
+        return (_lora_flops(spec, seq_len, tokens, method, recompute, adapter_params),
+                _lora_flops(spec, seq_len, tokens, method, "none", adapter_params))
     if method == "nd":
         # 6ND counts the parameters a token passes through: the active ones of an MoE model
         return nd_flops(spec.active_params, tokens, recompute), nd_flops(spec.active_params, tokens)
     return exact_flops(spec, seq_len, tokens, recompute), exact_flops(spec, seq_len, tokens)
+
+
+def _lora_flops(spec: ModelSpec, seq_len: int, tokens: int, method: str, recompute: str, adapters: int) -> float:
+    if method == "nd":
+        per_token = 4 * spec.active_params + (2 * spec.active_params if recompute == "full" else 0)
+        return float(per_token * tokens + nd_flops(adapters, tokens, recompute))
+    layers, attention, head = forward_flops_per_token(spec, seq_len)
+    # attention scores have no weights: their backward costs two forwards, as in full fine-tuning
+    per_token = 2 * (layers + head) + 3 * attention + 6 * adapters
+    if recompute == "full":
+        per_token += layers + attention + 2 * adapters
+    elif recompute == "selective":
+        per_token += attention
+    return float(per_token) * tokens

@@ -32,6 +32,9 @@ def _gpt(layers, hidden, heads, vocab, positions, activation):
 
 PRESETS: dict[str, dict] = {
     "gpt2": _gpt(12, 768, 12, 50257, 1024, "gelu_new"),
+    # LLaMA (Touvron et al. 2023, Table 2; huggyllama/llama-7b, llama-65b): the models QLoRA was measured on
+    "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000, 2048),
+    "llama-65b": _llama(80, 8192, 64, 64, 22016, 32000, 2048),
     "llama-2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096),
     "llama-2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 4096),
     "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096),

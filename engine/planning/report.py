@@ -49,9 +49,10 @@ def layout_line(plan: TrainPlan) -> str:
 
 
 def chinchilla_hint(plan: TrainPlan) -> str:
-    """Far (over 2x) from ~20 tokens per parameter (Hoffmann et al. 2022): say so, as a hint."""
+    """Far (over 2x) from ~20 tokens per parameter (Hoffmann et al. 2022): say so, as a hint (pre-training's:
+    not for adapters)."""
     ratio = plan.tokens / plan.chinchilla_tokens
-    if 0.5 <= ratio <= 2:
+    if 0.5 <= ratio <= 2 or plan.lora is not None:
         return ""
     return (f"  ({plan.tokens / plan.params:,.1f} tokens per parameter; compute-optimal is about 20, "
             f"{plan.chinchilla_tokens:,.3g} tokens: Hoffmann et al. 2022)")
@@ -79,6 +80,24 @@ def comm_rows(plan: TrainPlan) -> list[str]:
     return out
 
 
+def lora_rows(plan: TrainPlan) -> list[tuple[str, str]]:
+    lora = plan.lora
+    if lora is None:
+        return []
+    return [("trainable parameters", f"{plan.trainable_params:,} ({plan.trainable_params / plan.params:.3%}): LoRA "
+                                     f"r {lora['r']}, alpha {lora['lora_alpha']:g} (scale {lora['scaling']:g}) on "
+                                     f"{', '.join(lora['target_modules'])}, the base frozen")]
+
+
+def weights_row(plan: TrainPlan) -> str:
+    mem, lora = plan.memory_per_gpu, plan.lora
+    if lora is None or not lora["frozen_weights_per_gpu"]:
+        return gib(mem.weights)
+    frozen = lora["frozen_weights_per_gpu"]
+    return (f"{gib(mem.weights)}  (frozen base {gib(frozen)}, linear layers in {lora['base_storage']}; "
+            f"adapters {gib(mem.weights - frozen)})")
+
+
 def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) -> str:
     mem = plan.memory_per_gpu
     fits = "-" if plan.fits is None else f"{'yes' if plan.fits else 'NO'} (in {gib(gpu_memory_bytes)})"
@@ -87,6 +106,7 @@ def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) 
         layout_line(plan),
         "",
         rows([
+            *lora_rows(plan),
             ("global batch", f"{plan.global_batch:,} samples ({plan.tokens_per_step:,} tokens) per optimizer step"),
             ("micro-batches per step", f"{plan.layout.grad_accum:,} on each of {plan.layout.dp:,} DP replicas"),
             ("optimizer steps", f"{plan.steps:,}"),
@@ -103,7 +123,7 @@ def train_table(spec: ModelSpec, plan: TrainPlan, gpu_memory_bytes: int | None) 
         "",
         "memory per GPU",
         rows([
-            ("  weights", gib(mem.weights)),
+            ("  weights", weights_row(plan)),
             ("  gradients", gib(mem.gradients)),
             ("  optimizer", gib(mem.optimizer)),
             ("  activations", f"{gib(mem.activations)}  ({gib(plan.activations_per_layer)} per layer and micro-batch)"),
@@ -131,6 +151,9 @@ def serve_table(spec: ModelSpec, plan: ServePlan, block_size: int) -> str:
             *([("experts", EP_ROWS[plan.expert_parallel].format(
                 per=spec.num_experts // plan.ep_size, experts=spec.num_experts, ep=plan.ep_size))]
               if plan.expert_parallel != "tp" else []),
+            *([("LoRA adapter slots", f"{gib(plan.lora_slot_bytes)}  (in the weights above: --max-loras slots, "
+                                      "each A and B of every projection at --max-lora-rank)")]
+              if plan.lora_slot_bytes else []),
             ("forward workspace (estimate)", gib(plan.workspace_bytes)),
             ("KV cache budget", gib(plan.kv_budget_bytes)),
             ("KV cache per token", f"{plan.kv_bytes_per_token:,} bytes"),

@@ -96,6 +96,7 @@ class ServePlan:
     quantize_lm_head: bool = False  # the LM head (and a tied embedding) in weight_format too
     expert_parallel: str = "tp"  # EP_LAYOUTS
     ep_size: int = 1  # GPUs the experts are spread over whole (1: none)
+    lora_slot_bytes: int = 0  # of weights_per_gpu: the LoRA adapter slots (lora.adapter_slot_bytes)
 
 
 def served_len(spec: ModelSpec, requested: int | None) -> tuple[int, bool]:
@@ -153,13 +154,15 @@ def plan_serving(
     weight_format: WeightFormat | None = None,
     dtype_name: str = "",
     head_copy: bool = False,
+    lora_slot_bytes: int = 0,
 ) -> ServePlan:
     """Memory of one serving replica per GPU. `kv_cache_memory_bytes` is a fixed KV budget (the
     engine's CPU setting) that replaces the one derived from the GPU's memory. `ep` > 1 spreads the experts
     whole over ep GPUs, as `ep_layout` ("engine": ep = tp; "vllm": ep = DP x TP) does; `weight_format` holds
     the linear layers in that format (weight_formats.py), None at `dtype_bytes`. `head_copy`: the cpu
     backend's oneDNN copy of a tied float LM head, held on top of the embedding matrix both read
-    (engine/layers/linear.py pack_weights; cpu_head_copy says when), on the head's GPU."""
+    (engine/layers/linear.py pack_weights; cpu_head_copy says when), on the head's GPU. `lora_slot_bytes`:
+    LoRA adapter slots held beside the weights, which the KV cache budget gives up."""
     if ep_layout not in EP_LAYOUTS[1:]:
         raise ValueError(f"ep_layout must be one of {EP_LAYOUTS[1:]}, got {ep_layout!r}")
     if ep_layout == "engine" and ep not in (1, tp):
@@ -169,6 +172,7 @@ def plan_serving(
     weights = weight_bytes_per_gpu(spec, dtype_bytes, weight_format, tp, pp, expert_shards(tp, ep))
     if head_copy:
         weights += -(-spec.vocab_size // tp) * spec.hidden_size * dtype_bytes
+    weights += lora_slot_bytes
     workspace = forward_workspace_bytes(spec, dtype_bytes, max_batched_tokens, max_seqs, tp, ep)
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
@@ -190,4 +194,5 @@ def plan_serving(
                                        if layout == "vllm" else 0.0),
         weight_format=weight_format.name if weight_format else dtype_name,
         quantize_lm_head=weight_format is not None and weight_format.lm_head, expert_parallel=layout, ep_size=ep,
+        lora_slot_bytes=lora_slot_bytes,
     )

@@ -9,6 +9,7 @@ from engine.planning.activations import activation_memory
 from engine.planning.comm import training_collectives
 from engine.planning.flops import training_flops
 from engine.planning.layout import Layout, PlanError, check_positive
+from engine.planning.lora import LoraSpec, adapter_params, unmatched_targets
 from engine.planning.memory import model_state_memory, weight_bytes
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import MissingBandwidth, StepTime, Throughput, pipeline_bubble, step_time
@@ -69,6 +70,8 @@ class TrainPlan:
     cost: float | None
     chinchilla_tokens: int  # compute-optimal token count for the parameters (a hint, dense models)
     fits: bool | None  # None when no GPU memory size was given
+    trainable_params: int = 0  # all parameters; with LoRA the adapters' (PEFT's trainable parameter count)
+    lora: dict | None = None  # the LoRA setup, the frozen base's storage and its bytes on the busiest GPU
 
     def to_json(self) -> dict:
         memory = asdict(self.memory_per_gpu) | {"total": self.memory_per_gpu.total}
@@ -94,13 +97,19 @@ def plan_training(
     gpu_memory_bytes: int | None = None,
     price_per_gpu_hour: float | None = None,
     zero_accounting: str = "paper",
+    lora: LoraSpec | None = None,
 ) -> TrainPlan:
+    """Full fine-tuning, or with `lora` LoRA / QLoRA: the adapters train, the base stays frozen (lora.py)."""
     layout.check(spec)
     check_positive(seq_len=seq_len, gpu_memory=gpu_memory_bytes)
+    trainable = spec.params if lora is None else adapter_params(spec, lora)
+    if lora is not None:
+        _check_lora(spec, lora, zero_accounting)
     steps, trained_tokens = train_steps(layout.global_batch, seq_len, tokens=tokens, samples=samples, epochs=epochs)
-    flops, model_flops = training_flops(spec, seq_len, trained_tokens, flops_method, layout.recompute)
+    flops, model_flops = training_flops(spec, seq_len, trained_tokens, flops_method, layout.recompute,
+                                        None if lora is None else trainable)
     act_bytes = weight_bytes(precision)
-    collectives = training_collectives(spec, layout, seq_len, act_bytes)
+    collectives = training_collectives(spec, layout, seq_len, act_bytes, lora)
     per_gpu_step = layout.gpus * steps
     try:
         step = step_time(flops / per_gpu_step, model_flops / per_gpu_step, collectives, throughput, pp=layout.pp,
@@ -116,12 +125,12 @@ def plan_training(
     gpu_hours = None if time_s is None else time_s * layout.gpus / 3600
     states = model_state_memory(
         spec, precision=precision, optimizer=optimizer, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
-        zero=layout.zero, offload=layout.offload, accounting=zero_accounting,
+        zero=layout.zero, offload=layout.offload, accounting=zero_accounting, lora=lora,
     )
     acts = activation_memory(
         spec, seq_len, layout.micro_batch, act_bytes, attention=attention, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, recompute=layout.recompute, pp=layout.pp,
-        num_micro_batches=layout.grad_accum,
+        num_micro_batches=layout.grad_accum, lora=lora,
     )
     memory = MemoryBreakdown(states.weights, states.gradients, states.optimizer, acts.total)
     seconds = {} if step is None else step.communication
@@ -139,4 +148,17 @@ def plan_training(
         cost=None if gpu_hours is None or price_per_gpu_hour is None else gpu_hours * price_per_gpu_hour,
         chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * spec.params,
         fits=None if gpu_memory_bytes is None else memory.total <= gpu_memory_bytes,
+        trainable_params=trainable,
+        lora=None if lora is None else asdict(lora) | {
+            "scaling": lora.scaling, "base_storage": lora.base_storage, "frozen_weights_per_gpu": states.frozen},
     )
+
+
+def _check_lora(spec: ModelSpec, lora: LoraSpec, zero_accounting: str) -> None:
+    missing = unmatched_targets(spec, lora)
+    if missing:
+        mlp = "its MLPs are routed experts, which LoRA does not adapt here" if spec.is_moe else (
+            "a GELU MLP has up (fc) and down only")
+        raise PlanError("lora_targets", f"{', '.join(missing)} names no projection of {spec.name}: {mlp}")
+    if zero_accounting == "deepspeed":
+        raise PlanError("zero_accounting", "DeepSpeed's estimators count full fine-tuning: with LoRA, use paper")

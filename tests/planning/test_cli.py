@@ -107,6 +107,14 @@ def test_tables_by_default(command):
      "--heads"),
     (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--max-model-len", "100000"], "--max-model-len"),
     (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--block-size", "7"], "--block-size"),
+    ([*TRAIN, "--lora-rank", "8", "--lora-targets", "q,embed_tokens"], "--lora-targets"),
+    (["train", "--model", "gpt2", "--seq-len", "8", "--tokens", "8", "--lora-rank", "8", "--lora-targets", "gate"],
+     "--lora-targets"),  # a GELU MLP has no gate projection
+    ([*TRAIN, "--base-quantization", "nf4"], "--base-quantization"),  # QLoRA trains adapters: needs --lora-rank
+    ([*TRAIN, "--lora-rank", "8", "--no-double-quant"], "--double-quant"),  # nf4's constants only
+    ([*TRAIN, "--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout"),
+    ([*TRAIN, "--lora-rank", "8", "--zero-accounting", "deepspeed"], "--zero-accounting"),
+    (["serve", "--model", "llama-3-8b", "--gpu-memory-gib", "80", "--max-lora-rank", "16"], "--max-lora-rank"),
     # 13 GPUs for GPT-2 (12 heads, 12 layers) can only be 13 data-parallel replicas
     (["search", "--model", "gpt2", "--gpus-per-node", "13", "--gpu-memory-gib", "80", "--seq-len", "1024",
       "--global-batch", "3", "--tokens", "1e9"], "--global-batch"),
