@@ -63,6 +63,11 @@ class RequestOutput:
     error: str | None = None  # set when the engine rejected or failed this request
     embedding: list[float] | None = None  # an embedding request's pooled final hidden states, normalised
     invalid_request: bool = False  # the error is the request's own (its parameters), not the engine's
+    # When the request reached the front end, and (when, new tokens) for each step since the previous
+    # output that gave it tokens, on time.perf_counter's clock: latency metrics read them, so they mean
+    # the same whether the consumer takes deltas or one whole output.
+    arrival_time: float | None = None
+    token_times: list[tuple[float, int]] = field(default_factory=list)
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later` as one delta (a consumer that fell behind gets one
@@ -81,4 +86,5 @@ class RequestOutput:
                              [choices[i] for i in sorted(choices)], later.finished,
                              self.prompt_logprobs or later.prompt_logprobs,
                              max(self.num_cached_tokens, later.num_cached_tokens), later.error or self.error,
-                             later.embedding or self.embedding, later.invalid_request or self.invalid_request)
+                             later.embedding or self.embedding, later.invalid_request or self.invalid_request,
+                             self.arrival_time, self.token_times + later.token_times)

@@ -27,11 +27,12 @@ GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 class RequestError(ValueError):
     """A request's parameter the engine refuses. `field` is the engine's name for it and the message
-    is `field` + `rest`, so that a server can report it under the name its client sent instead."""
+    is `field` + `rest`, so that a server can report it under the name its client sent instead;
+    `code` is the machine-readable kind a server answers with, where one applies."""
 
-    def __init__(self, field: str, rest: str):
+    def __init__(self, field: str, rest: str, code: str | None = None):
         super().__init__(field + rest)
-        self.field, self.rest = field, rest
+        self.field, self.rest, self.code = field, rest, code
 
     def named(self, name: str) -> str:
         """The message with its field called `name`."""

@@ -83,30 +83,29 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     async def track(self, stream: AsyncIterator[RequestOutput], num_choices: int) -> AsyncIterator[RequestOutput]:
-        """Pass outputs through, timing the first token, the gaps between tokens and the whole
-        request, and counting how each of its `num_choices` choices ended (stop / length / abort /
+        """Pass outputs through, observing the first token's latency, the gaps between tokens and the
+        whole request's from the times the engine stamped on them (so whole outputs count as deltas
+        do), and counting how each of its `num_choices` choices ended (stop / length / abort /
         error) — all of them, even when the client leaves before the first output."""
-        arrival = last = time.perf_counter()
         num_tokens = 0
+        last = 0.0
         unfinished_reason = "abort"  # what to count if no final output arrives: the client left
         try:
-            async for output in stream:  # deltas
-                now = time.perf_counter()
-                new = sum(len(c.token_ids) for c in output.outputs)
-                if new and num_tokens == 0:
-                    self.ttft.observe(now - arrival)
-                elif new:
-                    # outputs may arrive coalesced: spread the gap over the tokens it carried
-                    for _ in range(new):
-                        self.itl.observe((now - last) / new)
-                if new:
-                    num_tokens, last = num_tokens + new, now
+            async for output in stream:
+                for when, new in output.token_times:
+                    if num_tokens == 0:
+                        self.ttft.observe(when - output.arrival_time)
+                    else:
+                        for _ in range(new):  # tokens that came out together share their gap
+                            self.itl.observe((when - last) / new)
+                    num_tokens, last = num_tokens + new, when
                 for choice in output.outputs:
                     if choice.finish_reason is not None:
                         self.finished.labels(self.model_name, choice.finish_reason).inc()
                 if output.finished:
                     unfinished_reason = None
-                    self.e2e.observe(now - arrival)
+                    if output.arrival_time is not None:
+                        self.e2e.observe(time.perf_counter() - output.arrival_time)
                 yield output
         except (ValueError, EngineOverloadedError):
             unfinished_reason = None  # refused at admission: it never ran

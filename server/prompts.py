@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from engine.core.admission import CONTEXT_LENGTH_EXCEEDED, check_context
 from engine.frontend import chat_template
+from engine.sampling_params import RequestError
 from server.errors import bad_request
 
 logger = logging.getLogger("pagewise.server")
@@ -73,19 +75,22 @@ class PromptTokenizer:
             raise bad_request(
                 f"this model's maximum context length is {self.max_model_len} tokens, and the {param} "
                 f"({num_bytes} bytes) is certainly longer than that: shorten it", param=param,
-                code="context_length_exceeded")
+                code=CONTEXT_LENGTH_EXCEEDED)
 
-    async def completion_prompts(self, prompt, param: str = "prompt") -> list[Prompt]:
+    async def completion_prompts(self, prompt, param: str = "prompt", generates: bool = True) -> list[Prompt]:
         """`prompt` is a string, a list of strings, a token-id list or a list of those (shape-checked);
-        errors name `param` (the request's field: prompt, or an embeddings input)."""
+        errors name `param` (the request's field: prompt, or an embeddings input, which generates nothing)."""
         items = prompt_items(prompt)
         for item in items:
             if not item:
                 raise bad_request(f"{param} must not be empty", param=param)
             if isinstance(item, str):
                 self._check_bytes(len(item.encode("utf-8", "surrogatepass")), param)
-            elif len(item) >= self.max_model_len:
-                _too_long(len(item), self.max_model_len, param)
+                continue
+            try:
+                check_context(len(item), self.max_model_len, generates)
+            except RequestError as e:
+                raise bad_request(e.named(param), param=param, code=e.code) from None
         texts = [item for item in items if isinstance(item, str)]
         encoded = iter(await self._run(self._encode_all, texts) if texts else [])
         return [Prompt(item, next(encoded)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]
@@ -131,24 +136,3 @@ class PromptTokenizer:
             raise bad_request("the model's chat template could not render these messages", param="messages") from e
         # The template already wrote any BOS it wants: by default the tokenizer adds no other.
         return Prompt(text, ids)
-
-
-def _too_long(num_tokens: int, max_model_len: int, param: str):
-    raise bad_request(
-        f"this model's maximum context length is {max_model_len} tokens, but the {param} has "
-        f"{num_tokens} tokens: shorten the {param}", param=param, code="context_length_exceeded")
-
-
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
-                       field: str = "max_tokens", prompt_field: str = "prompt") -> int:
-    """The number of tokens to generate: the request's, or what the context window has left."""
-    if num_prompt_tokens >= max_model_len:
-        _too_long(num_prompt_tokens, max_model_len, prompt_field)
-    if requested is None:
-        return max_model_len - num_prompt_tokens
-    if isinstance(requested, int) and requested >= 1 and num_prompt_tokens + requested > max_model_len:
-        raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + requested} "
-            f"were requested ({num_prompt_tokens} in the prompt, {requested} in {field}): reduce {field} "
-            f"to at most {max_model_len - num_prompt_tokens}", param=field, code="context_length_exceeded")
-    return requested  # values below 1 are left to SamplingParams, which names the field

@@ -4,10 +4,9 @@ streams into one, and abandon work when the HTTP client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import AsyncIterator, Awaitable, TypeVar
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 
 T = TypeVar("T")
 
@@ -128,8 +127,8 @@ async def primed_all(streams: list[AsyncIterator[RequestOutput]]) -> list[Primed
 
 
 async def last_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Drain every stream, merging its deltas into the whole output; the first error is raised
-    once all have ended."""
+    """Each stream's last output (a whole one: the streams were started with delta=False); the first
+    error is raised once all have ended."""
     results = await asyncio.gather(*(last_output(s) for s in streams), return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):
@@ -137,43 +136,11 @@ async def last_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Requ
     return results
 
 
-async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    whole = Accumulated()
+async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    last = None
     try:
-        async for output in stream:
-            whole.add(output)
+        async for last in stream:
+            pass
     finally:
         await stream.aclose()
-    return whole.output()
-
-
-class Accumulated:
-    """Deltas gathered into one complete RequestOutput, in time linear in the output."""
-
-    def __init__(self):
-        self._first: RequestOutput | None = None
-        self._last: RequestOutput | None = None
-        self._choices: dict[int, tuple[list[str], list[int], list | None, CompletionOutput]] = {}
-
-    def add(self, output: RequestOutput) -> None:
-        self._first = self._first or output
-        self._last = output
-        if output.prompt_logprobs is not None:
-            self._first.prompt_logprobs = output.prompt_logprobs
-        for c in output.outputs:
-            pieces, ids, logprobs, _ = self._choices.get(c.index, ([], [], None, c))
-            pieces.append(c.text)
-            ids += c.token_ids
-            if c.logprobs is not None:
-                logprobs = [] if logprobs is None else logprobs
-                logprobs += c.logprobs
-            self._choices[c.index] = (pieces, ids, logprobs, c)
-
-    def output(self) -> RequestOutput | None:
-        if self._first is None:
-            return None
-        choices = [CompletionOutput(i, "".join(pieces), ids, last.cumulative_logprob, logprobs, last.finish_reason,
-                                    last.stop_reason)
-                   for i, (pieces, ids, logprobs, last) in sorted(self._choices.items())]
-        return dataclasses.replace(self._last, outputs=choices, prompt_logprobs=self._first.prompt_logprobs,
-                                   num_cached_tokens=max(self._first.num_cached_tokens, self._last.num_cached_tokens))
+    return last

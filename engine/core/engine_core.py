@@ -11,52 +11,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from engine import structured_output
 from engine.config import EngineConfig
+from engine.core.admission import Limits, check_request
 from engine.core.kv_cache import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.loading.loader import ModelSource
 from engine.outputs import CoreOutput
 from engine.request import ParentRequest, Request
 from engine.runner import bad_words
-from engine.sampling_params import RequestError, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SampledToken
 
 logger = logging.getLogger(__name__)
 
 _FAILED = object()  # what _guarded returns when the call failed its request
-
-
-def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  max_num_seqs: int, max_logprobs: int) -> None:
-    """What the model and this engine's limits allow, beyond SamplingParams' own checks. Raises a
-    RequestError naming the field. Every front (EngineCore, the data-parallel front, the server
-    before it queues anything) calls this one function."""
-    if not ids:
-        raise RequestError("prompt", " is empty: give at least one token")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
-        raise RequestError("prompt", f" token ids must be integers in [0, {vocab_size})")
-    if params.pooling is not None and len(ids) > max_model_len:  # an embedding generates nothing
-        raise RequestError("prompt", f" has {len(ids)} tokens but the context window (max_model_len) is "
-                                     f"{max_model_len}: shorten the input")
-    if params.pooling is None and len(ids) >= max_model_len:
-        raise RequestError(
-            "prompt", f" has {len(ids)} tokens but the context window (max_model_len) is {max_model_len}, "
-            "which must leave room for at least one generated token: shorten the prompt")
-    if params.n > max_num_seqs:
-        raise RequestError("n", f" must be at most max_num_seqs ({max_num_seqs}), the sequences this server "
-                                f"runs at once, got {params.n}")
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
-                      ("allowed_token_ids", params.allowed_token_ids or [])):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise RequestError(name, f" must name token ids in [0, {vocab_size}), got {bad[0]}")
-    for name in ("logprobs", "prompt_logprobs"):
-        v = getattr(params, name)
-        if v is not None and v > max_logprobs:
-            raise RequestError(name, f" must be at most max_logprobs ({max_logprobs}), got {v}")
-    if params.structured_outputs is not None:
-        structured_output.admit(params.structured_outputs, params.max_tokens)
 
 
 class EngineCore:
@@ -83,6 +51,7 @@ class EngineCore:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
+        self.limits = Limits(self.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.scheduler = Scheduler(config, KVCacheManager(self.runner.num_blocks, config.block_size,
                                                           config.enable_prefix_caching), self.max_model_len,
                                    cpu=getattr(self.runner.device, "type", None) == "cpu")
@@ -99,11 +68,11 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        """Queue a request that check_request passed: the front end that took it checked it once."""
         self.num_requests_added += 1
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        self.check_request(ids, sampling_params)
         if sampling_params.bad_words:  # a copy: the caller's params may go to another engine, another tokenizer
             sequences = bad_words.token_sequences(sampling_params.bad_words, self.tokenizer)
             sampling_params = dataclasses.replace(sampling_params, bad_words_token_ids=sequences)
@@ -113,8 +82,7 @@ class EngineCore:
         self.scheduler.add(first)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                      max_num_seqs=self.config.max_num_seqs, max_logprobs=self.config.max_logprobs)
+        check_request(ids, params, self.limits)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Free the requests' blocks now; the next step reports each unfinished choice as ended

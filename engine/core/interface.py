@@ -17,7 +17,7 @@ class CoreClient(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Queues a request; a ValueError naming the field when the request is invalid."""
+        """Queues a request that check_request passed (the front end checks each request once)."""
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Ends these requests now and frees their blocks; the next step reports them aborted."""
@@ -32,7 +32,7 @@ class CoreClient(Protocol):
         """Runs one step and returns its outputs, one per choice that advanced or ended."""
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raises the ValueError that add_request would, without queueing anything."""
+        """Raises a RequestError naming the field when the request cannot be served as asked."""
 
     def check_health(self) -> None:
         """Raises when the core cannot step any more (a worker or replica process died)."""

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import copy
 import logging
 import threading
 import time
 from typing import AsyncIterator, Callable
 
+from engine import structured_output
 from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend.output_processor import OutputProcessor
@@ -34,6 +36,9 @@ logger = logging.getLogger("pagewise.async_engine")
 # How often an idle engine loop asks a parallel core whether its workers still live (a look at
 # process states: microseconds).
 IDLE_HEALTH_CHECK_S = 1.0
+# Requests with a grammar are checked off the event loop, each waiting up to grammar_compile_timeout_s
+# for its compile; a few at a time, so that they never take the threads a server tokenizes with.
+_GRAMMAR_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pagewise-grammar-check")
 
 
 class EngineDeadError(RuntimeError):
@@ -117,13 +122,14 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         if self._streams:
             logger.warning("shutdown: aborting %d unfinished request(s) after %.1fs", len(self._streams), timeout)
-        for request_id, stream in list(self._streams.items()):
-            self.abort(request_id)
-            stream.put(stream.abort_output())  # the client gets a final event, not a cut connection
+        for request_id in list(self._streams):
+            self.abort(request_id)  # the engine thread hands each its last output as it stops
         self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             await asyncio.to_thread(self._thread.join, 30.0)
+        for stream in list(self._streams.values()):  # the engine thread could not: still a final event
+            stream.put(stream.abort_output())
 
     @property
     def died(self) -> BaseException | None:
@@ -155,15 +161,19 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutput deltas until the request finishes.
+                       prompt: str | None = None, delta: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutput deltas until the request finishes; with delta=False, yield the one
+        whole output when it finishes (what a non-streamed response needs, built once).
 
-        Raises (on the first iteration) EngineOverloadedError when the waiting queue is full,
-        ValueError when the core rejects the request, EngineDeadError when the loop died.
-        Closing the iterator early aborts the request and frees its blocks.
+        Raises (on the first iteration) a RequestError naming the field when the request cannot
+        be served as asked, EngineOverloadedError when the waiting queue is full, EngineDeadError
+        when the loop died. Closing the iterator early aborts the request and frees its blocks.
         """
+        arrival_time = time.perf_counter()
+        await self._check(prompt_token_ids, sampling_params)
         stream, admission = self._admit(request_id, prompt_token_ids, prompt, sampling_params.n)
-        self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt, admission))
+        self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt, admission,
+                               delta, arrival_time))
         self._wake.set()
         if self.config.log_requests:
             logger.info("request %s: prompt=%r token_ids=%s params=%s", request_id, prompt,
@@ -194,19 +204,33 @@ class AsyncEngine:
         self._commands.append(("abort", ids))
         self._wake.set()
 
-    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """The core's checks against the model and the limits (a ValueError naming the field),
-        run here so that the server can answer 400 before it queues anything. Reads only what
-        the core fixed at start."""
-        self.check_health()
-        self._core.check_request(prompt_token_ids, sampling_params)
+    async def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The request's one admission check (a RequestError naming the field), on the event loop
+        except for a request with a grammar: its bounds, the core's checks and its compile run on
+        a checker thread, and the request waits there so that it enters the core with its grammar
+        ready. The core's checks read only what it fixed at start, so no thread races the engine's."""
+        self._check_open()
+        if params.structured_outputs is None:
+            self._core.check_request(prompt_token_ids, params)
+            return
+        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_CHECKS, self._check_with_grammar,
+                                                         prompt_token_ids, params)
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
-               num_seqs: int) -> tuple[RequestStream, _Admission]:
+    def _check_open(self) -> None:
         if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1
             raise EngineShuttingDownError("server is shutting down")
         self.check_health()
+
+    def _check_with_grammar(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        spec = params.structured_outputs
+        structured_output.check_bounds(spec, self.config)
+        self._core.check_request(prompt_token_ids, params)
+        structured_output.wait_compiled(spec, params.max_tokens)
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
+               num_seqs: int) -> tuple[RequestStream, _Admission]:
+        self._check_open()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         admission = _Admission(num_seqs, -(-(len(prompt_token_ids) + 1) // self.config.block_size))
@@ -312,12 +336,12 @@ class AsyncEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prompt_token_ids, params, prompt, admission = command
+                _, request_id, prompt_token_ids, params, prompt, admission, delta, arrival_time = command
                 self._handed.append(admission)  # counted as pending until the stats after a step show it
                 try:
                     core.add_request(request_id, prompt_token_ids, params)
-                    processor.add_request(request_id, prompt, prompt_token_ids, params, delta=True)
-                except ValueError as e:  # the user's request, not the engine, is at fault
+                    processor.add_request(request_id, prompt, prompt_token_ids, params, delta, arrival_time)
+                except ValueError as e:  # a request id in use: the caller's fault, not the engine's
                     rejected.append((request_id, e))
                 except Exception as e:  # a bug for this one request: report it, keep serving the rest
                     logger.exception("add_request failed for request %s", request_id)
@@ -325,8 +349,9 @@ class AsyncEngine:
             else:
                 aborted = True
                 core.abort_request(command[1])
-                for request_id in command[1]:
-                    processor.abort(request_id)
+                ended = [out for out in map(processor.abort, command[1]) if out is not None]
+                if ended:  # a stream still read (shutdown) gets its last output; others are gone
+                    self._post(lambda outs=ended: self._deliver(outs))
         # Refreshed now only when aborts freed room (or nothing will step): the stats taken before a
         # step's schedule would show every request just added as waiting, even one about to start.
         if aborted or rejected or not core.has_unfinished_requests():

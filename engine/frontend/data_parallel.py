@@ -4,7 +4,7 @@ them exactly as they drive one core:
 
     AsyncEngine(config, core_factory=DataParallelCore)   # what `engine serve` does when dp > 1
 
-The front validates each request (the same check_request as EngineCore), routes it (Router: least
+The front offers the same check_request as EngineCore (its caller checks each request once), routes it (Router: least
 loaded, with prefix affinity), sends it down the replica's pipe, and gathers every replica's
 outputs and stats as they come. Replicas share nothing, so they need no process group; they
 live on this node. A replica that dies, or whose step fails, stops the whole front with a
@@ -21,7 +21,7 @@ import multiprocessing.connection
 import os
 import time
 
-from engine.core.engine_core import check_request
+from engine.core.admission import Limits, check_request
 from engine.distributed.layout import check_layout
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.frontend.replica import replica_main
@@ -66,6 +66,7 @@ class DataParallelCore:
             self.shutdown()
             raise
         self.max_model_len = min(r[1] for r in ready)
+        self.limits = Limits(self.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
         self.replica_stats = [r[2] for r in ready]
         self.router = Router(n, config.block_size)
         self.owner: dict[str, int] = {}  # unfinished request -> its replica
@@ -92,7 +93,6 @@ class DataParallelCore:
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        self.check_request(ids, sampling_params)
         self.check_health()
         replica = self.router.choose(ids)
         self.owner[request_id] = replica
@@ -107,8 +107,7 @@ class DataParallelCore:
             self._send(self.owner[request_id], ("finish", request_id, index, stop))
 
     def check_request(self, ids: list[int], params) -> None:
-        check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                      max_num_seqs=self.config.max_num_seqs, max_logprobs=self.config.max_logprobs)
+        check_request(ids, params, self.limits)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Each replica reports its aborted requests once more, finished with reason "abort"."""

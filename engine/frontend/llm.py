@@ -110,6 +110,7 @@ class LLM:
         try:
             for (text, ids), p in zip(prompts, params):
                 rid = str(next(self._ids))
+                self.engine.check_request(ids, p)
                 self.engine.add_request(rid, ids, p)
                 self.output_processor.add_request(rid, text, ids, p, delta=False)
                 order[rid] = len(order)

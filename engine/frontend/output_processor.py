@@ -1,7 +1,7 @@
 """OutputProcessor: the front end's half of a step. The core says which tokens each choice got;
 this detokenizes them, applies stop strings (holding back text a stop string may still claim),
-attaches logprobs, and builds RequestOutputs: deltas for streaming consumers (the server), or
-complete outputs once a request finishes (the offline LLM API).
+attaches logprobs, and builds RequestOutputs: deltas for streaming consumers, or one complete
+output once a request finishes (the offline LLM API, the server's whole responses).
 
 Work per step is proportional to the new tokens, not to the output so far. A stop string is
 found here, so the processor reports it (`stopped`) for the caller to end that choice in the core.
@@ -9,6 +9,7 @@ found here, so the processor reports it (`stopped`) for the caller to end that c
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
@@ -37,9 +38,11 @@ class _Request:
     params: SamplingParams
     delta: bool
     choices: list[_Choice]
+    arrival_time: float = 0.0
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     embedding: list[float] | None = None
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # not yet handed out
 
     @property
     def finished(self) -> bool:
@@ -75,15 +78,25 @@ class OutputProcessor:
         self.requests: dict[str, _Request] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    delta: bool = True) -> None:
+                    delta: bool = True, arrival_time: float | None = None) -> None:
+        """delta: hand out each step's news (streaming), else one whole output when the request ends."""
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                   params.stop, params.include_stop_str_in_output),
                            logprobs=None if delta or params.logprobs is None else [])
                    for _ in range(params.n)]
-        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, delta, choices)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, delta, choices, arrival)
 
-    def abort(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget the request; its last output, in which every unfinished choice ends with reason
+        "abort" (whole, with the text so far, in final mode), or None if it was not here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        unfinished = [i for i, c in enumerate(req.choices) if c.finish_reason is None]
+        for i in unfinished:
+            req.choices[i].finish_reason = "abort"
+        return self._output(req, {i: _News() for i in unfinished}, None)[0]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -117,8 +130,12 @@ class OutputProcessor:
                 stops.append(StopString(out.request_id, out.index, stop))
             item.text += choice.detokenizer.take(choice.finish_reason is not None)
         results = []
+        now = time.perf_counter()
         for request_id, touched in news.items():
             req = self.requests[request_id]
+            new = sum(len(item.token_ids) for item in touched.values())
+            if new:
+                req.token_times.append((now, new))
             results += self._output(req, touched, errors.get(request_id))
             if req.finished:
                 del self.requests[request_id]
@@ -155,15 +172,16 @@ class OutputProcessor:
         if req.delta:
             outputs = [self._delta(req, i, item) for i, item in sorted(news.items())]
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # sent once, with the first delta
-            return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
-                                  prompt_logprobs, req.num_cached_tokens, error, req.embedding, invalid)]
-        for i, item in news.items():
-            req.choices[i].pieces.append(item.text)
-        if not req.finished:
-            return []
-        outputs = [self._final(req, i) for i in range(len(req.choices))]
-        return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, True,
-                              req.prompt_logprobs, req.num_cached_tokens, error, req.embedding, invalid)]
+        else:
+            for i, item in news.items():
+                req.choices[i].pieces.append(item.text)
+            if not req.finished:
+                return []
+            outputs, prompt_logprobs = [self._final(req, i) for i in range(len(req.choices))], req.prompt_logprobs
+        token_times, req.token_times = req.token_times, []
+        return [RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
+                              prompt_logprobs, req.num_cached_tokens, error, req.embedding, invalid,
+                              req.arrival_time, token_times)]
 
     @staticmethod
     def _delta(req: _Request, index: int, item: _News) -> CompletionOutput:

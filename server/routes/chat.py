@@ -9,18 +9,18 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.core.admission import resolve_max_tokens
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestError, SamplingParams
 from server.logprobs import chat_logprobs
 from server.openapi import route_docs
-from server.prompts import resolve_max_tokens
 from server import tool_calls
 from server.protocol import ChatCompletionRequest
 from server.reasoning import CONTENT, REASONING, Reasoning, ReasoningParser, count_reasoning_tokens
 from server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               ChatResponseMessage, ChatStreamChoice, CompletionTokensDetails, DeltaFunctionCall,
                               DeltaMessage, DeltaToolCall, FunctionCall, ToolCallOut, UsageInfo)
-from server.routes.common import (check_request, engine_errors, error_event_body, new_id, read_request,
+from server.routes.common import (engine_errors, error_event_body, new_id, read_request,
                                   sampling_errors)
 from server.sse import DONE, event, sse_response
 from server.state import ServerState
@@ -37,10 +37,9 @@ async def create_chat_completion(request: Request):
         plan = tool_calls.plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.tools)
     prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], tools=body.tools,
                                              **body.template_options)
-    max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
-                                    field=body.max_tokens_field, prompt_field="messages")
     renames = _renames(body, plan)
-    with engine_errors(renames), sampling_errors(renames=renames):
+    with sampling_errors(renames=renames):
+        max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len)
         params = body.to_sampling_params(max_tokens)
         if plan.grammar is not None:
             if params.structured_outputs is not None:
@@ -48,11 +47,10 @@ async def create_chat_completion(request: Request):
                                                   f"{body.grammar_field}, or use tool_choice 'auto' or 'none'")
             params = dataclasses.replace(params, structured_outputs=plan.grammar)
         params = _reply_params(state, body, plan, prompt.text, params)
-        await check_request(state, prompt.token_ids, params)
 
     request_id = new_id("chatcmpl")
-    stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text),
-                                 params.n)
+    stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text,
+                                                       delta=body.stream), params.n)
     render = _Renderer(state, body, request_id, plan, prompt.text)
     try:
         with engine_errors(renames):

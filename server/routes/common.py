@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import uuid
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from engine import structured_output
 from engine.sampling_params import RequestError
 from engine.frontend.async_engine import (EngineDeadError, EngineOverloadedError, RequestFailedError,
                                           RequestInvalidError)
@@ -20,9 +17,6 @@ from server.state import ServerState, get_state
 B = TypeVar("B", bound=BaseModel)
 
 RETRY_AFTER_S = "1"
-# Requests with a grammar are checked here, each waiting up to grammar_compile_timeout_s for its
-# compile; a few at a time, so that they never take the threads the server tokenizes with.
-_GRAMMAR_CHECKS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pagewise-grammar-check")
 UNSATISFIABLE = "unsatisfiable_request"  # the code of a request whose parameters left no token partway
 
 
@@ -44,24 +38,6 @@ async def read_request(request, model: type[B]) -> tuple[ServerState, B]:
     return state, body
 
 
-async def check_request(state: ServerState, prompt_token_ids: list[int], params) -> None:
-    """The engine's admission checks (a RequestError naming the field). A request with a grammar is
-    checked off the event loop: its bounds, then the engine's checks, then its compile, which the
-    request waits for here so that it enters the engine with its grammar ready."""
-    if params.structured_outputs is None:
-        state.engine.check_request(prompt_token_ids, params)
-        return
-    await asyncio.get_running_loop().run_in_executor(_GRAMMAR_CHECKS, _check_with_grammar, state,
-                                                     prompt_token_ids, params)
-
-
-def _check_with_grammar(state: ServerState, prompt_token_ids: list[int], params) -> None:
-    spec = params.structured_outputs
-    structured_output.check_bounds(spec, state.engine.config)
-    state.engine.check_request(prompt_token_ids, params)
-    structured_output.wait_compiled(spec, params.max_tokens)
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -79,7 +55,7 @@ def sampling_errors(renames: dict[str, str] | None = None):
 
 def request_error(error: RequestError, renames: dict[str, str] | None = None, code: str | None = None) -> APIError:
     name = (renames or {}).get(error.field, error.field)
-    return bad_request(error.named(name), param=name or None, code=code)
+    return bad_request(error.named(name), param=name or None, code=code or error.code)
 
 
 @contextlib.contextmanager

@@ -7,14 +7,14 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.core.admission import resolve_max_tokens
 from engine.outputs import RequestOutput
 from server.logprobs import completion_logprobs
 from server.openapi import route_docs
-from server.prompts import Prompt, prompt_items, resolve_max_tokens
+from server.prompts import Prompt, prompt_items
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionResponse, UsageInfo
-from server.routes.common import (check_request, engine_errors, error_event_body, new_id, read_request,
-                                  sampling_errors)
+from server.routes.common import engine_errors, error_event_body, new_id, read_request, sampling_errors
 from server.sse import DONE, event, sse_response
 from server.state import ServerState
 from server.streams import ClientDisconnected, last_outputs, merge, primed_all, unless_disconnected
@@ -28,15 +28,15 @@ async def create_completion(request: Request):
     state.check_admissible(len(prompt_items(body.prompt)), body.n)
     prompts = await state.prompts.completion_prompts(body.prompt)
     params = []
-    for p in prompts:
-        max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len)
-        with engine_errors(_renames(body)), sampling_errors(renames=_renames(body)):
-            params.append(body.to_sampling_params(max_tokens))
-            await check_request(state, p.token_ids, params[-1])
+    with sampling_errors(renames=_renames(body)):
+        for p in prompts:
+            params.append(body.to_sampling_params(resolve_max_tokens(len(p.token_ids), body.max_tokens,
+                                                                     state.max_model_len)))
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text), sp.n)
+    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text, delta=body.stream),
+                                   sp.n)
                for rid, p, sp in zip(ids, prompts, params)]
     render = _Renderer(state, body, prompts, request_id)
     try:

@@ -21,7 +21,7 @@ from server.openapi import route_docs
 from server.prompts import prompt_items
 from server.protocol import EmbeddingRequest
 from server.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
-from server.routes.common import engine_errors, new_id, read_request, sampling_errors
+from server.routes.common import engine_errors, new_id, read_request
 from server.streams import ClientDisconnected, last_outputs, primed_all, unless_disconnected
 
 router = APIRouter()
@@ -31,13 +31,11 @@ router = APIRouter()
 async def create_embeddings(request: Request):
     state, body = await read_request(request, EmbeddingRequest)
     state.check_admissible(len(prompt_items(body.input)), 1)
-    prompts = await state.prompts.completion_prompts(body.input, param="input")
+    prompts = await state.prompts.completion_prompts(body.input, param="input", generates=False)
     params = SamplingParams(max_tokens=1, pooling=body.pooling)
-    for p in prompts:
-        with engine_errors({"prompt": "input"}), sampling_errors(renames={"prompt": "input"}):
-            state.engine.check_request(p.token_ids, params)
     request_id = new_id("embd")
-    streams = [state.metrics.track(state.engine.generate(f"{request_id}-{i}", p.token_ids, params, prompt=p.text), 1)
+    streams = [state.metrics.track(state.engine.generate(f"{request_id}-{i}", p.token_ids, params, prompt=p.text,
+                                                         delta=False), 1)
                for i, p in enumerate(prompts)]
     try:
         with engine_errors({"prompt": "input"}):

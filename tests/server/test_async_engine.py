@@ -42,13 +42,13 @@ class FakeCore:
         self.aborted: list[str] = []
         self._abort_outputs: list[CoreOutput] = []
         self.thread_ids: set[int] = set()
+        self.checks: list[str] = []  # the prompts check_request saw, one entry a call
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
-        self._touch()
-        self.check_request(prompt_token_ids, sampling_params)
+        self._touch()  # the front end checked it (check_request) before handing it over
         self.reqs[request_id] = (list(prompt_token_ids), sampling_params, [])
         self.waiting.append(request_id)
 
@@ -67,6 +67,7 @@ class FakeCore:
                 q.remove(rid)
 
     def check_request(self, ids, params):
+        self.checks.append(str(ids))
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
 
@@ -138,6 +139,30 @@ def test_streams_deltas_and_core_stays_on_one_thread():
         assert out.finished and out.outputs[0].token_ids == [1, 2, 3, 4, 5]
         assert out.outputs[0].finish_reason == "length"
     assert len(core.thread_ids) == 1 and threading.get_ident() not in core.thread_ids
+
+
+def test_each_request_is_checked_once_and_a_whole_output_comes_once():
+    """delta=False (a non-streamed response) yields one output, the whole of it, stamped with the
+    times its tokens came out; either way the core's admission check runs once per request."""
+    async def main():
+        engine, cores = _engine()
+        await engine.start()
+        whole = [out async for out in engine.generate("w", [1, 2], SamplingParams(max_tokens=5), delta=False)]
+        deltas = [out async for out in engine.generate("d", [3], SamplingParams(max_tokens=5))]
+        await engine.shutdown(1)
+        return whole, deltas, cores[0]
+
+    whole, deltas, core = asyncio.run(main())
+    assert len(whole) == 1 and whole[0].finished
+    assert whole[0].outputs[0].token_ids == [1, 2, 3, 4, 5] and whole[0].outputs[0].text == " 1 2 3 4 5"
+    times = whole[0].token_times
+    assert sum(n for _, n in times) == 5 and all(whole[0].arrival_time <= t for t, _ in times)
+    assert [t for t, _ in times] == sorted(t for t, _ in times)
+    merged = deltas[0]
+    for out in deltas[1:]:
+        merged = merged.merge(out)
+    assert merged.outputs[0].token_ids == whole[0].outputs[0].token_ids and len(merged.token_times) == 5
+    assert core.checks == ["[1, 2]", "[3]"]
 
 
 def test_closing_a_stream_aborts_its_request():
@@ -212,8 +237,12 @@ def test_shutdown_finishes_then_aborts_with_a_final_event():
         await engine.start()
         quick = asyncio.ensure_future(_collect(engine.generate("quick", [1], SamplingParams(max_tokens=2))))
         slow = engine.generate("slow", [1], SamplingParams(max_tokens=10_000))
+        whole_task = asyncio.ensure_future(_collect(engine.generate("whole", [1], SamplingParams(max_tokens=10_000),
+                                                                    delta=False)))
         await slow.__anext__()
         await quick
+        while not cores[0].reqs.get("whole", (0, 0, []))[2]:
+            await asyncio.sleep(0.01)
         cores[0].hold.clear()  # "slow" can no longer finish in time
         slow_task = asyncio.ensure_future(_collect(slow))
         t0 = time.monotonic()
@@ -221,11 +250,14 @@ def test_shutdown_finishes_then_aborts_with_a_final_event():
         took = time.monotonic() - t0
         with pytest.raises(EngineShuttingDownError):
             await engine.generate("late", [1], SamplingParams()).__anext__()
-        return quick.result(), await slow_task, took, cores[0], engine
+        return quick.result(), await slow_task, await whole_task, took, cores[0], engine
 
-    quick, slow, took, core, engine = asyncio.run(main())
+    quick, slow, whole, took, core, engine = asyncio.run(main())
     assert quick.outputs[0].finish_reason == "length"
     assert slow.finished and slow.outputs[0].finish_reason == "abort" and slow.outputs[0].token_ids
+    # A non-streamed request ends with its whole output so far, not an empty abort.
+    assert whole.finished and whole.outputs[0].finish_reason == "abort" and whole.outputs[0].token_ids
+    assert whole.outputs[0].text == "".join(f" {t}" for t in whole.outputs[0].token_ids)
     assert 0.3 <= took < 5 and "slow" in core.aborted and core.reqs == {}
     assert not engine.is_healthy  # stopped
 

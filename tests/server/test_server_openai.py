@@ -196,6 +196,27 @@ def test_metrics_exposed(server, client):
     assert metric(text, "pagewise:requests_finished_total", finished_reason="length") > 0
 
 
+def test_whole_and_streamed_responses_time_every_token(server, client):
+    """A non-streamed response is built once from the engine's whole output, yet the latency
+    histograms count it as they count a stream: one first token, a gap for each later token,
+    one request."""
+    model = client.models.list().data[0].id
+    names = ("pagewise:time_to_first_token_seconds_count", "pagewise:inter_token_latency_seconds_count",
+             "pagewise:e2e_request_latency_seconds_count")
+    for stream in (False, True):
+        before = get_metrics(server)
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stream=stream,
+                                        extra_body={"ignore_eos": True})
+        if stream:
+            text = "".join(chunk.choices[0].text for chunk in out if chunk.choices)
+        else:
+            text = out.choices[0].text
+            assert out.usage.completion_tokens == 6
+        after = get_metrics(server)
+        assert text
+        assert [metric(after, n) - (metric(before, n) or 0) for n in names] == [1, 5, 1], stream
+
+
 def test_logit_bias_on_both_endpoints(client, tiny_model_dir):
     """+100 on one token makes it the only choice (OpenAI's semantics), sampled or greedy; the
     text is that token repeated, decoded by the model's own tokenizer."""

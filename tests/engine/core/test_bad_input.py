@@ -64,7 +64,7 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
     ]
     for ids, message in bad:
         with pytest.raises(RequestError, match=message) as caught:
-            engine.add_request("bad", ids, params)
+            engine.check_request(ids, params)  # what every front end runs once per request
         assert caught.value.field == "prompt"
     # Values SamplingParams cannot judge alone: the vocabulary and the engine's limits.
     for kwargs, field in [(dict(stop_token_ids=[engine.vocab_size], min_tokens=2), "^stop_token_ids"),
@@ -72,7 +72,7 @@ def test_bad_requests_leave_running_requests_untouched(tiny_llm, tiny_models):
                           (dict(logprobs=engine.config.max_logprobs + 1), "^logprobs"),
                           (dict(prompt_logprobs=engine.config.max_logprobs + 1), "^prompt_logprobs")]:
         with pytest.raises(RequestError, match=field) as caught:
-            engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4, **kwargs))
+            engine.check_request([5, 6], SamplingParams(max_tokens=4, **kwargs))
         assert caught.value.field == field[1:]
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [1, 2], params)

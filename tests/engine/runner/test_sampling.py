@@ -267,7 +267,7 @@ def test_allowed_token_ids_are_checked(ids):
 
 def test_allowed_token_ids_outside_the_vocabulary_are_refused(tiny_llm):
     with pytest.raises(ValueError, match="^allowed_token_ids must name token ids in"):
-        tiny_llm.engine.add_request("x", [1, 2, 3], SamplingParams(allowed_token_ids=[5, 10**6]))
+        tiny_llm.generate([[1, 2, 3]], SamplingParams(allowed_token_ids=[5, 10**6]), use_tqdm=False)
     assert not tiny_llm.engine.parents
 
 
@@ -280,5 +280,5 @@ def test_logit_bias_is_checked(bias, field):
 
 def test_logit_bias_outside_the_vocabulary_is_refused(tiny_llm):
     with pytest.raises(ValueError, match="^logit_bias must name token ids in"):
-        tiny_llm.engine.add_request("x", [1, 2, 3], SamplingParams(logit_bias={10**6: 5.0}))
+        tiny_llm.generate([[1, 2, 3]], SamplingParams(logit_bias={10**6: 5.0}), use_tqdm=False)
     assert not tiny_llm.engine.parents
