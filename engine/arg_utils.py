@@ -61,16 +61,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
 # vLLM's flags that have no counterpart here, and what to do instead (a pasted vLLM command line).
 VLLM_ONLY_FLAGS = {
-    "--trust-remote-code": "not needed: pagewise runs the model families it implements itself, never a "
-                           "checkpoint's own Python code",
-    "--generation-config": "a model's generation_config.json gives only its end-of-sequence ids here; give "
-                           "sampling settings in each request (temperature, top_p, ...)",
-    "--swap-space": "preempted requests are recomputed, not swapped to CPU memory; size the KV cache with "
-                    "--kv-cache-memory or --gpu-memory-utilization",
-    "--disable-log-requests": "requests are never logged unless --log-requests is given: drop the flag",
-    "--disable-log-stats": "there is no periodic stats line to turn off; /metrics has the numbers: drop the flag",
-    "--download-dir": "nothing is downloaded: give --model a local folder or .gguf file",
-    "--revision": "nothing is downloaded: give --model a local folder or .gguf file",
     "--load-format": "weights load from the safetensors or .gguf files --model names",
     "--tokenizer-mode": "the model's Hugging Face tokenizer is used (--tokenizer for another one)",
     "--distributed-executor-backend": "ranks are processes the engine starts itself (or torchrun's): pass "

@@ -19,18 +19,26 @@ from engine.loading.default_model import USER_ERRORS
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts (offline)",
                        description="Generate text for each prompt with the offline engine and print it.\n"
-                                   "Greedy by default; --temperature > 0 samples, reproducibly for one --seed.")
+                                   "Greedy by default (unless the model's generation_config.json sets a "
+                                   "temperature: see --generation-config);\n--temperature > 0 samples, "
+                                   "reproducibly for one --seed.")
     p.add_argument("prompts", nargs="+", help="prompt text(s)")
     g = p.add_argument_group("sampling (per request)")
     g.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
-    g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per output")
+    model = "the model's generation_config.json's (--generation-config), else"
+    g.add_argument("--max-tokens", type=int, default=None, help=f"most tokens generated per output (default: {model} "
+                                                                "64)")
     g.add_argument("--n", type=int, default=1, help="outputs per prompt (each printed after the prompt)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (argmax)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
-                                                             "holding this much probability")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min-p x the most "
-                                                             "likely one; 0: off")
+    g.add_argument("--temperature", type=float, default=None, help=f"0: greedy (argmax) (default: {model} 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens "
+                                                              f"holding this much probability (default: {model} 1)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens; 0: all "
+                                                            f"(default: {model} 0)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than min-p x the most "
+                                                              f"likely one; 0: off (default: {model} 0)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"penalize the tokens already in the prompt or output (> 1); 1: off (default: "
+                        f"{model} 1)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop an output at this text, which is left out (repeatable; default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -38,12 +46,24 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_run_generate)
 
 
+# What `engine generate` samples with where neither its flags nor the model's sampling defaults say.
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+
+
 def _run_generate(args) -> int:
-    from engine.frontend.llm import LLM
+    from engine.config import EngineConfig
+    from engine.loading import hub
+    from engine.loading.sampling_defaults import read_sampling_defaults
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, stop=args.stop, ignore_eos=args.ignore_eos)
+    config = EngineConfig(**engine_config_kwargs(args))  # a bad setting fails before torch loads
+    defaults = read_sampling_defaults(config.generation_config, hub.model_path(config))
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    settings = {**GENERATE_DEFAULTS, **defaults.as_dict(), **{k: v for k, v in flags.items() if v is not None}}
+    params = SamplingParams(n=args.n, stop=args.stop, ignore_eos=args.ignore_eos, **settings)
+    from engine.frontend.llm import LLM
+
     with LLM(**engine_config_kwargs(args)) as llm:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)

@@ -68,6 +68,36 @@ def _warn_removed_env() -> None:
                            knob.replace("_", "-"), knob)
 
 
+# A Hugging Face Hub model id as huggingface_hub spells one, ORG/NAME (each part starts and ends
+# with a letter, digit or underscore), with :FILE.gguf naming one GGUF file of the repository.
+_HUB_PART = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"({_HUB_PART}/{_HUB_PART})(?::([^:]+\.gguf))?")
+GENERATION_CONFIGS = ("auto", "vllm")
+
+# vLLM's flags that are accepted and change nothing here, and what they would have done: one notice each.
+VLLM_NOTICES = {
+    "trust_remote_code": "--trust-remote-code: no checkpoint code is ever run here: the model families are "
+                         "implemented in the engine and tokenizers load without remote code (a model whose "
+                         "config.json maps its model class to its own code is refused)",
+    "disable_log_requests": "--disable-log-requests has no effect: requests are logged only with --log-requests",
+    "disable_log_stats": "--disable-log-stats has no effect: there is no periodic stats line (/metrics has the "
+                         "numbers)",
+    "swap_space": "--swap-space has no effect: a preempted request's KV blocks are freed and its tokens recomputed "
+                  "when it resumes, never swapped to CPU memory",
+}
+_noticed: set[str] = set()
+
+
+def hub_id(text) -> tuple[str, str | None] | None:
+    """(ORG/NAME, FILE.gguf or None) when `text` is a Hub model id, None when it is not one (a path
+    such as ./x, /x, ~/x or a/b/c). Whether a local path of that name exists is the caller's question:
+    a local path always wins."""
+    m = _HUB_ID.fullmatch(str(text))
+    if m is None or "--" in m.group(1) or ".." in m.group(1):  # huggingface_hub refuses both in an id
+        return None
+    return m.group(1), m.group(2)
+
+
 def canonical_dtype(name: str) -> str:
     """`half` -> `float16`, `bf16` -> `bfloat16`, ...; any other name is returned as given."""
     return DTYPE_ALIASES.get(str(name).lower(), name)
@@ -83,9 +113,34 @@ SERVING_CPU_MAX_PREFILL_ATTENTION = 131072
 
 @dataclass
 class EngineConfig:
-    model: str | None = _knob(None, "a Hugging Face model folder (config.json + *.safetensors) or a .gguf file "
+    model: str | None = _knob(None, "a Hugging Face model folder (config.json + *.safetensors), a .gguf file, or "
+                                    "a Hub id ORG/NAME (ORG/NAME:FILE.gguf for one GGUF file of it), read from the "
+                                    "Hugging Face cache or downloaded into it; a local path of that name wins "
                                     "(default: the embedded SmolLM2-135M-Instruct)")
-    tokenizer: str | None = _knob(None, "tokenizer folder (default: the model's own)")
+    tokenizer: str | None = _knob(None, "tokenizer folder or Hub id ORG/NAME (default: the model's own)")
+    revision: str | None = _knob(None, "a Hub id's branch, tag or commit, for --model and a --tokenizer of the "
+                                       "same repository (default: main)")
+    download_dir: str | None = _knob(None, "the Hugging Face cache folder Hub ids are read from and downloaded "
+                                           "into (default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+                                           "~/.cache/huggingface/hub)")
+    gguf_file: str | None = _knob(None, "the .gguf file of a Hub id --model to serve, the same as --model "
+                                        "ORG/NAME:FILE.gguf (default: the repository's safetensors)")
+    generation_config: str = _knob("auto", "sampling defaults for the requests that do not set them: auto (the "
+                                           "model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                           "repetition_penalty, and max_new_tokens as max_tokens), vllm (none: "
+                                           "the API's own defaults), or a folder holding a generation_config.json "
+                                           "(default: auto)")
+    trust_remote_code: bool = _knob(False, "vLLM's flag, accepted with a notice: no checkpoint code is ever run "
+                                           "(the model families are the engine's own; tokenizers load without "
+                                           "remote code), and a model whose config.json maps its model class to "
+                                           "its own code (auto_map) is refused")
+    disable_log_requests: bool = _knob(False, "vLLM's flag, accepted with a notice: requests are logged only with "
+                                              "--log-requests")
+    disable_log_stats: bool = _knob(False, "vLLM's flag, accepted with a notice: there is no periodic stats line "
+                                           "(/metrics has the numbers)")
+    swap_space: float | None = _knob(None, "vLLM's flag (GiB of CPU swap per GPU), accepted with a notice: a "
+                                           "preempted request's KV blocks are freed and its tokens recomputed, "
+                                           "never swapped")
     chat_template: str | None = _knob(None, "chat template replacing the tokenizer's own: a file, or the Jinja "
                                             "text itself (default: the tokenizer's template)")
     gguf_weights: str = _knob("native", "a .gguf file's quantized linear weights: native (kept as the file's "
@@ -265,20 +320,59 @@ class EngineConfig:
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
-            if not os.path.exists(self.model):
+            if not os.path.exists(self.model) and hub_id(self.model) is None:
                 raise ValueError(
                     f"model path {self.model!r} does not exist: pass a folder with config.json and "
-                    "*.safetensors, a .gguf file, or no model for the embedded default"
+                    "*.safetensors, a .gguf file, a Hub id ORG/NAME, or no model for the embedded default"
                 )
         if self.tokenizer is not None:
             self.tokenizer = os.path.expanduser(str(self.tokenizer))
-            if not os.path.exists(self.tokenizer):
+            if not os.path.exists(self.tokenizer) and hub_id(self.tokenizer) is None:
                 raise ValueError(f"tokenizer path {self.tokenizer!r} does not exist: pass a folder with the "
-                                 "tokenizer's files (tokenizer.json or tokenizer_config.json), or leave it unset "
-                                 "for the model's own")
+                                 "tokenizer's files (tokenizer.json or tokenizer_config.json), a Hub id "
+                                 "ORG/NAME, or leave it unset for the model's own")
+        self._check_hub_settings()
+        check(self.swap_space is None or self.swap_space >= 0, "swap_space", "None or >= 0 (GiB)")
+        check(not (self.log_requests and self.disable_log_requests), "disable_log_requests",
+              "False with log_requests (the two contradict): drop one")
         if self.chat_template is not None:
             self._check_chat_template()
         _warn_removed_env()
+        for name, notice in VLLM_NOTICES.items():
+            if getattr(self, name) not in (None, False) and name not in _noticed:
+                _noticed.add(name)
+                logger.warning(notice)
+
+    def model_hub_id(self) -> tuple[str, str | None] | None:
+        """(ORG/NAME, FILE.gguf or None) when `model` is a Hub id rather than a local path, else None."""
+        if self.model is None or os.path.exists(self.model):
+            return None
+        repo, gguf = hub_id(self.model)
+        return repo, gguf or self.gguf_file
+
+    def _check_hub_settings(self) -> None:
+        """revision and gguf_file say which files of a Hub id to read: with a local model they would
+        silently do nothing. generation_config is a mode or a folder that exists."""
+        hub = self.model_hub_id()
+        if self.revision is not None and hub is None:
+            model = "the embedded default" if self.model is None else f"the local path {self.model!r}"
+            raise ValueError(f"revision {self.revision!r} picks a version of a Hub id --model (ORG/NAME), but the "
+                             f"model is {model}: drop --revision")
+        if self.gguf_file is not None:
+            if hub is None or hub_id(self.model)[1] not in (None, self.gguf_file):
+                raise ValueError(f"gguf_file {self.gguf_file!r} names a file of a Hub id --model ORG/NAME, and "
+                                 f"--model is {self.model!r}: give --model ORG/NAME, or the .gguf path as --model")
+            if not str(self.gguf_file).endswith(".gguf"):
+                raise ValueError(f"gguf_file {self.gguf_file!r} must name a .gguf file of the repository")
+        if self.download_dir is not None:
+            self.download_dir = os.path.expanduser(str(self.download_dir))
+        if self.generation_config not in GENERATION_CONFIGS:
+            path = os.path.expanduser(str(self.generation_config))
+            folder = os.path.dirname(path) if os.path.basename(path) == "generation_config.json" else path
+            if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+                raise ValueError(f"generation_config {self.generation_config!r} is neither auto, vllm, nor a folder "
+                                 "holding a generation_config.json: pass one of those")
+            self.generation_config = folder
 
     def _check_types(self) -> None:
         """Numbers and flags are what their fields say (the CLI's argparse converts; the Python API

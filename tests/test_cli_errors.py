@@ -18,12 +18,10 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["serve", "--trust-remote-code"], "engine serve: error: --trust-remote-code is a vLLM flag with no counterpart "
-                                       "here: not needed"),
-    (["serve", "--generation-config", "auto"], "--generation-config is a vLLM flag"),
-    (["serve", "--swap-space=4"], "--swap-space is a vLLM flag with no counterpart here: preempted requests are "
-                                  "recomputed"),
-    (["generate", "hi", "--disable-log-requests"], "engine generate: error: --disable-log-requests is a vLLM flag"),
+    (["serve", "--load-format", "auto"], "engine serve: error: --load-format is a vLLM flag with no counterpart "
+                                         "here: weights load from the safetensors or .gguf files --model names"),
+    (["serve", "--tokenizer-mode=slow"], "--tokenizer-mode is a vLLM flag"),
+    (["generate", "hi", "--enable-lora"], "engine generate: error: --enable-lora is a vLLM flag"),
     (["serve", "--no-such-flag"], "engine serve: error: unrecognized arguments: --no-such-flag (`engine serve --help` "
                                   "lists the flags)"),
     (["bench", "serve", "--no-such-flag", "1"], "engine bench serve: error: unrecognized arguments: --no-such-flag 1"),
@@ -41,4 +39,56 @@ def test_the_bubble_tool_says_a_bad_model_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"python -m engine.bench.bubble: error: model path {os.path.join(ROOT, 'no-such-model')!r} does not exist: "
-        "pass a folder with config.json and *.safetensors, a .gguf file, or no model for the embedded default"]
+        "pass a folder with config.json and *.safetensors, a .gguf file, a Hub id ORG/NAME, or no model for the "
+        "embedded default"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--revision", "v2"], "engine generate: error: revision 'v2' picks a version of a Hub id --model (ORG/NAME), but "
+                           "the model is the embedded default: drop --revision"),
+    (["--generation-config", "no-such-folder"], "engine generate: error: generation_config 'no-such-folder' is neither "
+                                                "auto, vllm, nor a folder holding a generation_config.json"),
+    (["--model", "org/name", "--gguf-file", "model.bin"], "gguf_file 'model.bin' must name a .gguf file"),
+    (["--swap-space", "-1"], "engine generate: error: swap_space must be None or >= 0 (GiB), got -1.0"),
+])
+def test_a_bad_hub_or_vllm_setting_is_one_line(argv, says):
+    done = run("-m", "engine", "generate", "hi", "--device", "cpu", *argv)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [done.stderr.strip()] and says in done.stderr, done.stderr
+
+
+def _tiny_folder(tmp_path, tiny_model_dir, **changes) -> str:
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported; the served families are llama, mistral, mixtral, "
+                               "qwen2, qwen2_moe, qwen3, qwen3_moe"),
+])
+def test_a_model_that_is_not_served_is_one_line(tmp_path, tiny_model_dir, changes, says):
+    done = run("-m", "engine", "generate", "hi", "--device", "cpu", "--model",
+               _tiny_folder(tmp_path, tiny_model_dir, **changes))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"engine generate: error: {says}"), done.stderr
+
+
+@pytest.mark.slow
+def test_vllm_deployment_flags_are_accepted_with_one_notice_each(tiny_model_dir):
+    done = run("-m", "engine", "generate", "hi", "--device", "cpu", "--kv-cache-memory", "16MiB", "--max-tokens", "2",
+               "--model", tiny_model_dir, "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+               "--swap-space", "4", "--generation-config", "vllm")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("hi")
+    notices = {"--trust-remote-code: no checkpoint code is ever run here": 1,
+               "--disable-log-requests has no effect: requests are logged only with --log-requests": 1,
+               "--disable-log-stats has no effect: there is no periodic stats line": 1,
+               "--swap-space has no effect: a preempted request's KV blocks are freed and its tokens recomputed": 1}
+    assert {n: done.stderr.count(n) for n in notices} == notices, done.stderr

@@ -1,6 +1,7 @@
 """Find a model: its config, tokenizer and weights' source (ModelSource), checked before anything
 loads. A model is a Hugging Face folder (config.json + *.safetensors, single or sharded) or a .gguf
-file; `quantization` and a folder's config.json say how its weights are to be read
+file, named by its path or by a Hub id (engine/loading/hub.py finds it in the Hugging Face cache);
+`quantization` and a folder's config.json say how its weights are to be read
 (engine/loading/weights.py reads them into a model).
 """
 
@@ -11,6 +12,9 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+
+from engine.loading import hub
+from engine.loading.sampling_defaults import SamplingDefaults, read_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,8 @@ class ModelSource:
     quantization_group_size: int = 128  # int4's inputs per group
     quantize_lm_head: bool = False  # at load, the LM head (and a tied embedding) quantized too
     prequantized: object = None  # engine.quant.prequantized.Prequantized: the reader of a pre-quantized folder
+    # The model's sampling defaults for requests that do not set them (--generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def is_gguf(self) -> bool:
@@ -39,22 +45,32 @@ class ModelFolderError(ValueError):
 
 def source_for(config) -> ModelSource:
     """resolve_model with an EngineConfig's settings: every process that loads a model (front end,
-    data-parallel replica, worker rank, torchrun rank) opens it the same way."""
-    return resolve_model(config.model, config.tokenizer, config.chat_template, config.gguf_weights,
-                         config.quantization, config.quantization_group_size, config.quantize_lm_head)
+    data-parallel replica, worker rank, torchrun rank) opens it the same way. A Hub id is read from
+    the Hugging Face cache (the first process to need it downloads it) and keeps its id as the name."""
+    path = hub.model_path(config)
+    source = resolve_model(path, hub.tokenizer_path(config), config.chat_template, config.gguf_weights,
+                           config.quantization, config.quantization_group_size, config.quantize_lm_head,
+                           config.trust_remote_code)
+    if path != config.model:
+        source.name = config.model
+    source.sampling_defaults = read_sampling_defaults(config.generation_config,
+                                                      None if path is None or source.is_gguf else source.path)
+    return source
 
 
 def resolve_model(path: str | None, tokenizer_path: str | None = None,
                   chat_template: str | None = None, gguf_weights: str = "native",
                   quantization: str | None = None, quantization_group_size: int = 128,
-                  quantize_lm_head: bool = False) -> ModelSource:
+                  quantize_lm_head: bool = False, trust_remote_code: bool = False) -> ModelSource:
     """Open a model folder, a .gguf file, or (path None) the embedded default model (its .gguf).
 
     Checks the folder first (config.json, every safetensors header) so that a bad one fails in
     a second with what to do, not after minutes of loading. `chat_template` (Jinja text or a
     file) replaces the tokenizer's own. `gguf_weights`, `quantization`, `quantize_lm_head`
     (EngineConfig's): see the module docstring; a `quantization` the checkpoint cannot take is a
-    ValueError naming the flag."""
+    ValueError naming the flag. An architecture or config feature the engine does not implement is an
+    UnsupportedModelError naming it, as is `trust_remote_code` for a model whose config.json points
+    its model class at its own code."""
     if path is None:
         from engine.loading.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
 
@@ -75,6 +91,9 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
 
         check_gguf_file(path)
         gguf = load_gguf(path, with_tokenizer=tokenizer_path is None)  # --tokenizer: not converted for nothing
+        from engine.models.support import check_supported
+
+        check_supported(gguf.config.to_dict())
         _check_gguf_quantization(path, quantization, gguf.types())
         tokenizer = gguf.tokenizer if tokenizer_path is None else _load_tokenizer(tokenizer_path)
         _set_chat_template(tokenizer, chat_template)
@@ -85,9 +104,11 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
 
     with open(os.path.join(path, "config.json")) as f:
         config_json = json.load(f)
-    from engine.models.registry import model_class
+    from engine.models.support import check_supported
 
-    model_class(config_json.get("model_type"))  # fail early, naming the supported types
+    if trust_remote_code:
+        _check_remote_code(path, config_json)
+    check_supported(config_json)  # fail early, naming what is served
     prequantized = _check_folder_quantization(path, quantization, config_json)
     hf_config = AutoConfig.from_pretrained(path)
     tokenizer = _load_tokenizer(tokenizer_path or path)
@@ -109,6 +130,22 @@ def stored_dtype(path: str) -> str | None:
     with open(os.path.join(path, "config.json")) as f:
         config_json = json.load(f)
     return config_json.get("dtype") or config_json.get("torch_dtype")
+
+
+def _check_remote_code(path: str, config_json: dict) -> None:
+    """--trust-remote-code asks for a checkpoint's own model code, which the engine never runs."""
+    from engine.models.registry import MODEL_REGISTRY
+    from engine.models.support import UnsupportedModelError
+
+    auto_map = config_json.get("auto_map") or {}
+    key = next((k for k in auto_map if k.startswith("AutoModel")), None)
+    if key is None:
+        return
+    model_type = config_json.get("model_type")
+    instead = (f"drop --trust-remote-code to serve it with the engine's own {model_type!r} implementation"
+               if model_type in MODEL_REGISTRY else f"the served families are {', '.join(sorted(MODEL_REGISTRY))}")
+    raise UnsupportedModelError(f"--trust-remote-code: {path}'s config.json maps {key} to its own code "
+                                f"({auto_map[key]}), which the engine never runs: {instead}")
 
 
 def _check_gguf_quantization(path: str, quantization: str | None, types: dict[str, tuple[str, str]]) -> None:

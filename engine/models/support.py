@@ -1,0 +1,50 @@
+"""What the engine serves, checked on a model's config before anything loads: an architecture it has
+no implementation of, or a config feature its implementation does not compute, is refused in one line
+naming it, never served as a silent wrong answer."""
+
+from __future__ import annotations
+
+from engine.layers.rotary import SUPPORTED_ROPE_TYPES
+from engine.models.registry import MODEL_REGISTRY
+
+
+class UnsupportedModelError(ValueError):
+    """A model the engine does not serve; the message names what and lists what is served."""
+
+
+def _rope_type(config: dict) -> str:
+    scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+
+
+def _set(config: dict, key: str) -> bool:
+    return config.get(key) is not None
+
+
+# (what a config asks for, in the field's words; whether this config asks for it; the model types
+# whose implementation computes it). A family that implements one adds its model_type there.
+FEATURES = [
+    (lambda c: f"rope_scaling of type {_rope_type(c)!r} (served: {', '.join(SUPPORTED_ROPE_TYPES)})",
+     lambda c: _rope_type(c) not in SUPPORTED_ROPE_TYPES, ()),
+    (lambda c: f"attention-logit soft-capping (attn_logit_softcapping {c['attn_logit_softcapping']})",
+     lambda c: _set(c, "attn_logit_softcapping"), ()),
+    (lambda c: f"final-logit soft-capping (final_logit_softcapping {c['final_logit_softcapping']})",
+     lambda c: _set(c, "final_logit_softcapping"), ()),
+    (lambda c: f"partial rotary embeddings (partial_rotary_factor {c['partial_rotary_factor']})",
+     lambda c: c.get("partial_rotary_factor") not in (None, 1, 1.0), ()),
+    # One window size for all layers is served (the context is capped at it); a list is a window per layer.
+    (lambda c: f"a sliding window per layer (sliding_window {c['sliding_window']})",
+     lambda c: isinstance(c.get("sliding_window"), (list, tuple)), ()),
+]
+
+
+def check_supported(config: dict) -> None:
+    """Raise UnsupportedModelError unless the engine serves this config.json (a dict) as it is."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_REGISTRY:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; the served families are "
+                                    f"{', '.join(sorted(MODEL_REGISTRY))}")
+    for describe, asks, served_by in FEATURES:
+        if asks(config) and model_type not in served_by:
+            raise UnsupportedModelError(f"model_type {model_type!r} with {describe(config)} is not implemented "
+                                        "here, and serving it without would give wrong answers")

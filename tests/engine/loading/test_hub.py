@@ -1,0 +1,193 @@
+"""Hub ids: `--model ORG/NAME` is read from a Hugging Face cache that huggingface_hub itself wrote
+(from a Hub on a local socket, tests/engine/loading/fake_hub.py), offline; a revision resolves through
+the cache's refs as huggingface_hub resolves it; an id the cache lacks is one line saying what to run;
+a download fetches config, tokenizer and safetensors files only; the model's generation_config.json
+gives the sampling defaults of a request that sets none."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import snapshot_download
+
+from engine.cli import main
+from engine.config import EngineConfig
+from engine.loading import hub
+from engine.loading.loader import source_for
+from engine.loading.sampling_defaults import SamplingDefaults
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.loading.fake_hub import FakeHub, folder_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = "org/tiny"
+MAIN, V2 = hashlib.sha1(b"main").hexdigest(), hashlib.sha1(b"v2").hexdigest()
+# A model card's recommended sampling, as generation_config.json carries it (transformers' keys).
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 7, "min_p": 0.05,
+                     "repetition_penalty": 1.3, "max_new_tokens": 5, "bos_token_id": 0, "eos_token_id": 1}
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, tiny_model_dir) -> str:
+    """An HF_HOME whose cache huggingface_hub wrote: org/tiny's main branch is the tiny Llama, its tag
+    v2 the same with a generation_config.json."""
+    home = str(tmp_path_factory.mktemp("hf-home"))
+    files = folder_files(tiny_model_dir)
+    v2 = {**files, "generation_config.json": json.dumps(GENERATION_CONFIG).encode()}
+    with FakeHub({REPO: {"main": (MAIN, files), "v2": (V2, v2)}}) as fake:
+        for revision in ("main", "v2"):
+            snapshot_download(REPO, revision=revision, cache_dir=os.path.join(home, "hub"), endpoint=fake.url)
+    return home
+
+
+@pytest.fixture
+def offline(monkeypatch, hf_home):
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", hf_home)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hf_home
+
+
+def _env(hf_home: str, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    return {**env, "HF_HOME": hf_home, "HF_HUB_OFFLINE": "1", **extra}
+
+
+@pytest.mark.slow
+def test_engine_generate_runs_a_hub_id_from_the_cache_offline(hf_home, tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", REPO, PROMPT, "--max-tokens", "6",
+                           "--ignore-eos", "--device", "cpu", "--kv-cache-memory", "16MiB"], cwd=ROOT,
+                          env=_env(hf_home), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = hf_greedy(tiny_model_dir, tokenizer(PROMPT)["input_ids"], 6)
+    assert done.stdout.splitlines() == [PROMPT + tokenizer.decode(expected, skip_special_tokens=True)]
+
+
+def test_an_id_the_cache_lacks_offline_is_one_line_saying_what_to_run(hf_home):
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "org/absent", PROMPT,
+                           "--device", "cpu"], cwd=ROOT, env=_env(hf_home), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"engine generate: error: --model org/absent: neither a local path nor in the Hugging Face cache "
+        f"({os.path.join(hf_home, 'hub', 'models--org--absent')}) and HF_HUB_OFFLINE is set, so nothing is "
+        "downloaded: run `hf download org/absent`, or unset HF_HUB_OFFLINE to let the engine download it"]
+
+
+@pytest.mark.parametrize("revision, commit", [(None, MAIN), ("main", MAIN), ("v2", V2), (V2, V2), (MAIN, MAIN)])
+def test_a_revision_resolves_through_the_cache_refs_as_huggingface_hub_does(offline, revision, commit):
+    found = hub.model_path(EngineConfig(model=REPO, revision=revision))
+    assert found == snapshot_download(REPO, revision=revision, cache_dir=os.path.join(offline, "hub"),
+                                      local_files_only=True)
+    assert os.path.basename(found) == commit
+
+
+def test_a_revision_the_cache_lacks_offline_says_what_to_run(offline):
+    with pytest.raises(hub.HubError, match=r"--model org/tiny at revision v9: neither a local path nor in the "
+                                           r"Hugging Face cache .* run `hf download org/tiny --revision v9`"):
+        hub.model_path(EngineConfig(model=REPO, revision="v9"))
+
+
+def test_a_local_path_wins_over_a_hub_id(offline, tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("org")
+    os.symlink(tiny_model_dir, os.path.join("org", "tiny"))
+    assert hub.model_path(EngineConfig(model=REPO)) == REPO
+    assert source_for(EngineConfig(model=REPO)).name == "tiny"  # the folder's name, as for any local path
+
+
+def test_a_hub_id_is_served_under_its_id_with_the_tokenizer_of_its_snapshot(offline):
+    source = source_for(EngineConfig(model=REPO, tokenizer=REPO, revision="v2"))
+    assert source.name == REPO
+    assert source.path == os.path.join(offline, "hub", "models--org--tiny", "snapshots", V2)
+    assert source.tokenizer.name_or_path == source.path
+
+
+def test_a_download_fetches_config_tokenizer_and_the_indexed_safetensors_only(tmp_path, monkeypatch, tiny_model_dir):
+    """A sharded checkpoint: the index's shards, not a consolidated copy beside them, nor .bin weights,
+    a README or a subfolder's files."""
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+    files = folder_files(tiny_model_dir)
+    files = {**{k: v for k, v in files.items() if k != "model.safetensors"},
+             "model-00001-of-00001.safetensors": files["model.safetensors"],
+             "model.safetensors.index.json": json.dumps(index).encode(),
+             "consolidated.safetensors": b"never fetched", "pytorch_model.bin": b"never fetched",
+             "README.md": b"never fetched", "onnx/model.onnx": b"never fetched", "onnx/config.json": b"{}"}
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with FakeHub({REPO: {"main": (MAIN, files)}}) as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        folder = hub.model_path(EngineConfig(model=REPO))
+    assert sorted(fake.fetched) == ["chat_template.jinja", "config.json", "model-00001-of-00001.safetensors",
+                                    "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    assert folder == os.path.join(str(tmp_path), "hub", "models--org--tiny", "snapshots", MAIN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # now cached: found without the network
+    assert hub.model_path(EngineConfig(model=REPO)) == folder
+
+
+def test_a_repository_without_safetensors_is_refused_after_its_small_files(tmp_path, monkeypatch, tiny_model_dir):
+    files = {k: v for k, v in folder_files(tiny_model_dir).items() if k != "model.safetensors"}
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with FakeHub({REPO: {"main": (MAIN, {**files, "pytorch_model.bin": b"pickled"})}}) as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        with pytest.raises(hub.HubError, match=r"--model org/tiny: the repository has no \*.safetensors weights: "
+                                               r"the engine reads config.json, a tokenizer and \*.safetensors"):
+            hub.model_path(EngineConfig(model=REPO))
+    assert "pytorch_model.bin" not in fake.fetched
+
+
+def test_the_sampling_defaults_are_the_generation_config_numbers(offline):
+    assert source_for(EngineConfig(model=REPO, revision="v2")).sampling_defaults == SamplingDefaults(
+        temperature=0.7, top_p=0.9, top_k=7, min_p=0.05, repetition_penalty=1.3, max_tokens=5)
+    assert source_for(EngineConfig(model=REPO, revision="v2", generation_config="vllm")).sampling_defaults \
+        == SamplingDefaults()
+    folder = hub.model_path(EngineConfig(model=REPO, revision="v2"))
+    assert source_for(EngineConfig(model=REPO, generation_config=folder)).sampling_defaults.max_tokens == 5
+
+
+def _generate(capsys, *argv: str) -> str:
+    assert main(["generate", PROMPT, "--device", "cpu", "--kv-cache-memory", "16MiB", "--ignore-eos", "--seed", "3",
+                 *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_generation_config_defaults_reach_a_request_offline(offline, capsys, tiny_model_dir):
+    """The file's sampling applies to a request that sets none: the same text as those numbers given
+    as flags (five tokens, sampled), and not the greedy 64 tokens of --generation-config vllm."""
+    defaults = _generate(capsys, "--model", REPO, "--revision", "v2")
+    flags = _generate(capsys, "--model", tiny_model_dir, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "7",
+                      "--min-p", "0.05", "--repetition-penalty", "1.3", "--max-tokens", "5")
+    ignored = _generate(capsys, "--model", REPO, "--revision", "v2", "--generation-config", "vllm")
+    greedy = _generate(capsys, "--model", tiny_model_dir, "--temperature", "0", "--max-tokens", "64")
+    assert defaults == flags
+    assert ignored == greedy != defaults
+    overridden = _generate(capsys, "--model", REPO, "--revision", "v2", "--temperature", "0", "--max-tokens", "64")
+    assert overridden != greedy  # a flag replaces one default; the file's others (top_k, penalty) still apply
+
+
+@pytest.mark.parametrize("model, gguf_file", [("org/gguf:sub/model-Q8_0.gguf", None),
+                                              ("org/gguf", "sub/model-Q8_0.gguf")])
+def test_a_gguf_file_of_a_hub_id_is_downloaded_alone(tmp_path, monkeypatch, model, gguf_file):
+    files = {"sub/model-Q8_0.gguf": b"GGUF one file", "model-Q4_0.gguf": b"GGUF another", "config.json": b"{}"}
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with FakeHub({"org/gguf": {"main": (MAIN, files)}}) as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        path = hub.model_path(EngineConfig(model=model, gguf_file=gguf_file))
+    assert fake.fetched == ["sub/model-Q8_0.gguf"]
+    assert path == os.path.join(str(tmp_path), "hub", "models--org--gguf", "snapshots", MAIN, "sub", "model-Q8_0.gguf")
+    with open(path, "rb") as f:
+        assert f.read() == b"GGUF one file"
