@@ -5,8 +5,9 @@ runs one forward pass (a captured CUDA graph for decode steps, engine/runner/cud
 whole batch at once and returns token ids (and the logprobs asked for), never logits. Under
 pipeline parallelism only the last stage computes logits and samples (its TP rank 0); the other
 ranks run their share of the forward and return None. Sizing and allocating the KV cache at
-start-up is a mixin's (engine/runner/kv_sizing.py), sampling, pooling and prompt logprobs another's
-(engine/runner/step_outputs.py); a stream's copy is engine/runner/runner_streams.py's CachedRequestState."""
+start-up are functions of engine/runner/kv_sizing.py, given what the runner measures; sampling,
+pooling and prompt logprobs are the sampling rank's StepOutputs (engine/runner/step_outputs.py); a
+stream's copy is engine/runner/runner_streams.py's CachedRequestState."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ from engine.quant import activations
 from engine.runner.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.host_memory import keep_freed_memory
-from engine.runner.kv_sizing import KVCacheSizing
+from engine.runner import kv_sizing
 from engine.runner.runner_streams import CachedRequestState
 from engine.runner.sampler import Sampler
 from engine.runner.step_inputs import StepInputs
-from engine.runner.step_outputs import StepOutputs
+from engine.runner.step_outputs import StepOutputs, offer_grammars
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class StepBatch:
     meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
 
 
-class ModelRunner(KVCacheSizing, StepOutputs):
+class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource):
         self.config = config
         self.requests: dict[str, CachedRequestState] = {}
@@ -172,9 +173,13 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         self.last_stage = pp_state().rank == pp_state().size - 1
         self.sampler = (Sampler(source.eos_token_ids, config.seed, self.device, self.backend.argmax)
                         if self.last_stage and tp_state().rank == 0 else None)
-        self.source = source  # the tokenizer, for grammars (built at the first constrained request)
+        self.source = source
         # Offered now, so that a server in this process compiles a grammar before the first step, not in it.
-        self.grammar_offer = self._offer_grammars() if self.sampler is not None else None
+        self.grammar_offer = (offer_grammars(source.tokenizer, hf.vocab_size, source.eos_token_ids,
+                                             self.backend.apply_token_bitmask, config)
+                              if self.sampler is not None else None)
+        self.outputs = (StepOutputs(self.sampler, self.grammar_offer, self.model.final_hidden)
+                        if self.sampler is not None else None)
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
         max_tokens = max(self.backend.padded_num_tokens(config.max_num_batched_tokens), config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),
@@ -186,7 +191,7 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         if graphs_off and self.device.type == "cuda":
             logger.info("CUDA graphs off: %s; decode steps run eagerly", graphs_off)
         self._compile_triton_kernels()
-        self.num_blocks = self._size_kv_cache()
+        self.num_blocks = kv_sizing.num_kv_blocks(config, self.device, self.kv_bytes_per_token(), self._cuda_kv_budget)
         self._allocate_kv_cache()
         if not self._graphs_off():
             self._capture_graphs()
@@ -271,6 +276,43 @@ class ModelRunner(KVCacheSizing, StepOutputs):
             self._graph_error = repr(e)
             self.graphs.release()
             return 0
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_sizing.stage_kv_bytes_per_token(self.spec, len(self.model.layers()), self.kv_dtype)
+
+    def _allocate_kv_cache(self) -> None:
+        self.kv_caches = kv_sizing.allocate_kv_cache(self.model, self.backend, self.num_blocks, self.block_size,
+                                                     self.kv_dtype, self.device)
+
+    def _cuda_kv_budget(self) -> int:
+        """What gpu_memory_utilization leaves for the KV cache (kv_sizing.cuda_kv_budget), from the
+        largest step's activation peak and the CUDA graphs' memory, measured here."""
+        activation_peak = self._profile_run()
+        graph_bytes = 0
+        if not self._graphs_off():
+            graph_bytes = self._capture_graphs()
+            self.graphs.release()
+        self.kv_caches = []  # the profile's throwaway cache
+        kv_sizing.release_kv_cache(self.model)
+        return kv_sizing.cuda_kv_budget(self.device, self.config.gpu_memory_utilization, activation_peak, graph_bytes,
+                                        self.kv_bytes_per_token() * self.block_size)
+
+    def _profile_run(self) -> int:
+        """Run the largest step (kv_sizing.largest_step) on a throwaway cache and return its
+        activation peak (bytes allocated beyond what stays allocated). The throwaway cache stays
+        bound to the layers (the graph probe reads it)."""
+        dev = self.device
+        sched, self.num_blocks = kv_sizing.largest_step(self.config, self.max_model_len)
+        self._allocate_kv_cache()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.execute_model(sched)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        self.update_states(SchedulerOutput(finished_req_ids=[r.req_id for r in sched.new_reqs]))
+        self.inputs.reset()  # its block ids name blocks of the throwaway cache
+        return max(peak, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -430,18 +472,18 @@ class ModelRunner(KVCacheSizing, StepOutputs):
         step = self._prepare_inputs(sched)
         hidden, residual, logits, prompt_logits = self._forward(step)
         out = None
-        if self.sampler is not None:
+        if self.outputs is not None:
             out = ModelRunnerOutput()
             for state, first, rows in prompt_logits:
                 try:
-                    self._prompt_logprobs(out, state, first, rows)
+                    self.outputs.prompt_logprobs(out, state, first, rows)
                 except Exception as e:
-                    self._failed(out, state, e)
+                    self.outputs.failed(out, state, e)
             if step.sample_streams:
-                self._sample(out, logits, step.sample_streams)
+                self.outputs.sample(out, logits, step.sample_streams)
             if step.pool_chunks or step.pool_ends:
                 with forward_context(step.meta, self.backend):  # the final norm runs again
-                    self._pool(out, hidden, residual, step.pool_chunks, step.pool_ends)
+                    self.outputs.pool(out, hidden, residual, step.pool_chunks, step.pool_ends)
         self.copy_blocks(sched.block_copies)
         if self.threads is not None:
             self.threads.after_step(sched.num_tokens, time.perf_counter() - started)

@@ -1,15 +1,19 @@
 """What a step hands back beyond its forward: sampling (a batch at once, or stream by stream to find
-the one at fault), structured output's grammars, pooled embeddings and prompt logprobs. A mixin of
-ModelRunner (engine/runner/model_runner.py), which runs the forward: it reads the runner's sampler, model,
-source and backend, and a stream whose own data makes one of these raise is reported in the step's
-output (`failed`), so the core fails that request alone."""
+the one at fault), structured output's grammars, pooled embeddings and prompt logprobs. The sampling
+rank's ModelRunner holds one and hands it each step's logits and hidden states; a stream whose own
+data makes one of these raise is reported in the step's output (`failed`), so the core fails that
+request alone."""
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
+
 import torch
 
+from engine import structured_output
 from engine.runner.runner_streams import CachedRequestState
+from engine.runner.sampler import Sampler
 from engine.sampling_params import UnsatisfiableRequestError
 from engine.scheduler_output import ModelRunnerOutput
 
@@ -17,8 +21,13 @@ logger = logging.getLogger(__name__)
 
 
 class StepOutputs:
+    def __init__(self, sampler: Sampler, grammar_offer: structured_output.Offer,
+                 final_hidden: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        """final_hidden: the model's final norm over (hidden, residual) rows, for pooling."""
+        self.sampler, self.grammar_offer, self.final_hidden = sampler, grammar_offer, final_hidden
+
     @staticmethod
-    def _failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
+    def failed(out: ModelRunnerOutput, state: CachedRequestState, error: Exception) -> None:
         """This stream's own data made the runner raise: report it (the core fails its request alone;
         as the client's error when its parameters asked for the impossible)."""
         if isinstance(error, UnsatisfiableRequestError):
@@ -27,7 +36,7 @@ class StepOutputs:
         logger.warning("stream %s failed in the runner: %r", state.req_id, error)
         out.failed.append((state.req_id, type(error).__name__, None))
 
-    def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
+    def sample(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]) -> None:
         """Sample all rows at once; if the batch raises, sample each stream alone, so that only a
         stream whose own data makes it raise is failed."""
         offer = self.grammar_offer
@@ -39,7 +48,7 @@ class StepOutputs:
                     state.grammar = self.sampler.grammars.matcher(p.structured_outputs, p.max_tokens,
                                                                   state.output_token_ids)
                 except Exception as e:
-                    self._failed(out, state, e)
+                    self.failed(out, state, e)
         failed = {req_id for req_id, *_ in out.failed}
         keep = [i for i, s in enumerate(streams) if s.req_id not in failed]
         if len(keep) < len(streams):
@@ -47,7 +56,7 @@ class StepOutputs:
         for state, token in self._sample_rows(out, logits, streams):
             if state.grammar is not None and not state.grammar.accept_token(token.token_id):
                 # Only a grammar that allows nothing but a banned token gets here (say, EOS under min_tokens).
-                self._failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
+                self.failed(out, state, ValueError("the sampled token does not follow the stream's grammar"))
                 continue
             out.sampled.append((state.req_id, token))
 
@@ -59,7 +68,7 @@ class StepOutputs:
             except Exception as e:
                 if isinstance(e, UnsatisfiableRequestError) and e.rows:  # it names its rows: they end, the
                     for i, error in e.rows.items():                      # rest are sampled again at once
-                        self._failed(out, streams[i], error)
+                        self.failed(out, streams[i], error)
                     keep = [i for i in range(len(streams)) if i not in e.rows]
                     logits, streams = logits[keep], [streams[i] for i in keep]
                     continue
@@ -69,39 +78,30 @@ class StepOutputs:
                     try:
                         results.append((state, self.sampler(logits[i:i + 1], [state])[0]))
                     except Exception as e:
-                        self._failed(out, state, e)
+                        self.failed(out, state, e)
                 return results
         return []
 
-    def _offer_grammars(self):
-        """How this rank builds its grammars (at its first constrained stream), offered to the process
-        when the runner is built, so that a server in this process compiles ahead of the steps."""
-        from engine import structured_output
-
-        args = (self.source.tokenizer, self.hf_config.vocab_size, self.source.eos_token_ids,
-                self.backend.apply_token_bitmask, self.config)  # not self: the registry must not keep it
-        return structured_output.offer_sampler(lambda: structured_output.StructuredOutputs(*args))
-
-    def _pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
+    def pool(self, out: ModelRunnerOutput, hidden: torch.Tensor, residual: torch.Tensor, chunks: list,
               ends: list) -> None:
         """Embedding requests: sum each chunk's final hidden states (mean pooling, across chunked
         prefill steps; a chunk from position 0 starts over, as after a preemption), and once a
         prompt is done, report the mean or the last token's state, L2-normalised, in float32."""
         for state, start, a, b in chunks:
-            part = self.model.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
+            part = self.final_hidden(hidden[a:b], residual[a:b]).float().sum(0)
             state.pooled_sum = part if start == 0 else state.pooled_sum + part
         for state, row in ends:
             try:
                 if state.sampling_params.pooling == "mean":
                     vector = state.pooled_sum / state.num_prompt_tokens
                 else:
-                    vector = self.model.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
+                    vector = self.final_hidden(hidden[row:row + 1], residual[row:row + 1]).float()[0]
                 out.pooled.append((state.req_id, torch.nn.functional.normalize(vector, dim=-1).tolist()))
             except Exception as e:
-                self._failed(out, state, e)
+                self.failed(out, state, e)
 
     @staticmethod
-    def _prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
+    def prompt_logprobs(out: ModelRunnerOutput, state: CachedRequestState, first_token: int,
                          rows: torch.Tensor) -> None:
         """Entries for the prompt tokens these rows score: the token's logprob, plus the top
         prompt_logprobs of the row."""
@@ -116,3 +116,11 @@ class StepOutputs:
         for entry, tok, value in zip(entries, targets, chosen):
             entry[tok] = value
         out.prompt_logprobs.append((state.req_id, first_token, entries))
+
+
+def offer_grammars(tokenizer, vocab_size: int, eos_token_ids: list[int], apply_token_bitmask,
+                   config) -> structured_output.Offer:
+    """How the sampling rank builds its grammars (at its first constrained stream), offered to the
+    process when the runner is built, so that a server in this process compiles ahead of the steps."""
+    args = (tokenizer, vocab_size, eos_token_ids, apply_token_bitmask, config)  # not the runner: the registry keeps it
+    return structured_output.offer_sampler(lambda: structured_output.StructuredOutputs(*args))

@@ -42,7 +42,7 @@ def test_budget_is_total_times_utilization_minus_in_use_and_peak(runner, monkeyp
     device = FakeDevice(total=1000 * MiB, in_use=300 * MiB, peak=50 * MiB)
     device.install(monkeypatch)
     sampled, scored = [], []
-    sample, prompt_logprobs = runner._sample, runner._prompt_logprobs
+    sample, prompt_logprobs = runner.outputs.sample, runner.outputs.prompt_logprobs
 
     def spy_sample(out, logits, streams):
         sampled.append((logits.shape[0], {s.sampling_params.logprobs for s in streams}))
@@ -52,8 +52,8 @@ def test_budget_is_total_times_utilization_minus_in_use_and_peak(runner, monkeyp
         scored.append(rows.shape[0])
         return prompt_logprobs(out, state, first, rows)
 
-    monkeypatch.setattr(runner, "_sample", spy_sample)
-    monkeypatch.setattr(runner, "_prompt_logprobs", spy_prompt_logprobs)
+    monkeypatch.setattr(runner.outputs, "sample", spy_sample)
+    monkeypatch.setattr(runner.outputs, "prompt_logprobs", spy_prompt_logprobs)
     assert runner._cuda_kv_budget() == 500 * MiB - 300 * MiB - 50 * MiB
     # One step: 40 tokens over 6 sequences (35 + 5 x 1), every one sampling with 3 logprobs; the
     # first's 35-token chunk scores 34 prompt tokens.
