@@ -83,7 +83,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
                         "</tool_call>), llama3_json (Llama 3.x: a JSON object), mistral ([TOOL_CALLS] then a JSON "
-                        "array or name{arguments}) or pythonic (Llama 3.2/4: [fn(arg=value), ...])")
+                        "array or name{arguments}), pythonic (Llama 3.2/4: [fn(arg=value), ...]) or openai (gpt-oss: "
+                        "messages to functions.NAME; with --reasoning-parser gpt_oss)")
     g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split a thinking model's chat replies into message.reasoning_content (streamed: "
                         "delta.reasoning_content) and the answer in content: qwen3 and deepseek_r1 (<think>..."
@@ -171,6 +172,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         return _error(ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)}): "
                                  "it says how this model writes its calls"))
+    if args.tool_call_parser == "openai" and args.reasoning_parser not in ("gpt_oss", "openai_gptoss"):
+        return _error(ValueError("--tool-call-parser openai reads gpt-oss's harmony messages: add --reasoning-parser "
+                                 "gpt_oss, which separates them"))
     if args.enable_reasoning and not args.reasoning_parser:
         return _error(ValueError("--enable-reasoning needs --reasoning-parser (qwen3, deepseek_r1 or gpt_oss): it says "
                                  "how this model marks its reasoning"))

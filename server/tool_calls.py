@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from engine.sampling_params import GrammarSpec, RequestError
 from server import tool_formats
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 # Parsers whose marker is a special token: the reply is detokenized with special tokens.
-READS_SPECIAL_TOKENS = ("mistral",)
+READS_SPECIAL_TOKENS = ("mistral", "openai")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 HERMES_START = "<tool_call>"
 LLAMA_TAG = "<|python_tag|>"
@@ -154,10 +154,21 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
         if not found or not found[1]:
             return text, []
         return found[0], [ToolCall(name, args, call_id(parser)) for name, args in found[1]]
+    if parser == "openai":
+        content, found = tool_formats.harmony(text)
+        return (content, [ToolCall(name, _compact(args)) for name, args, _ in found]) if found else (text, [])
     if parser == "pythonic":
         found = tool_formats.pythonic(text)
         return (None, [ToolCall(name, args) for name, args in found]) if found else (text, [])
     raise ValueError(f"unknown tool-call parser {parser!r}: one of {', '.join(PARSERS)}")
+
+
+def _compact(arguments: str) -> str:
+    """JSON arguments as JSON, re-serialised; other text as it is."""
+    try:
+        return json.dumps(json.loads(arguments))
+    except json.JSONDecodeError:
+        return arguments
 
 
 def _call(text: str) -> ToolCall | None:
@@ -191,8 +202,9 @@ def _split_json_objects(text: str) -> list[str]:
 def may_start_call(parser: str, text: str) -> int:
     """Streaming with "auto": how much of `text` (the choice's text so far) is surely content. A
     call's start, or what could still become one, is held back until the choice ends."""
-    if parser in ("hermes", "mistral"):
-        marker = HERMES_START if parser == "hermes" else tool_formats.MISTRAL_START
+    if parser in ("hermes", "mistral", "openai"):
+        marker = {"hermes": HERMES_START, "mistral": tool_formats.MISTRAL_START,
+                  "openai": tool_formats.HARMONY_START}[parser]
         at = text.find(marker)
         if at >= 0:
             return at
@@ -225,6 +237,8 @@ def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]
     arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks, Llama 3
     objects and mistral's JSON arrays, written name first (as these models, and the "required"
     grammar, write them), and mistral's name{arguments}. Pythonic calls come whole at the end."""
+    if mode == "auto" and parser == "openai":
+        return _harmony_partial(text)
     if mode == "auto" and parser == "mistral":
         at = text.find(tool_formats.MISTRAL_START)
         after = at + len(tool_formats.MISTRAL_START)
@@ -248,6 +262,18 @@ def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]
             break  # the name (or the start of the arguments) is not complete yet
         end, complete = _value_end(text, m.end())
         calls.append(PartialCall(json.loads(f'"{m.group(1)}"'), text[m.end():end], complete))
+        if not complete:
+            break
+    return calls
+
+
+def _harmony_partial(text: str) -> list[PartialCall]:
+    calls = []
+    for name, args, start in tool_formats.harmony(text)[1]:
+        if not args.lstrip().startswith("{"):
+            break  # not JSON (or not begun): the call comes whole at the end
+        end, complete = _value_end(text, start + len(args) - len(args.lstrip()))
+        calls.append(PartialCall(name, text[start + len(args) - len(args.lstrip()):end], complete))
         if not complete:
             break
     return calls

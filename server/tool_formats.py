@@ -9,6 +9,9 @@ those): Mistral's `[TOOL_CALLS]` and the pythonic list of Llama 3.2 / Llama 4, a
   digits, which Mistral's templates require of the ids sent back.
 - pythonic: the whole reply is a Python list of calls with literal keyword arguments,
   `[get_weather(city="Rome", days=3), ...]` (Llama 4 may wrap it in <|python_start|>...<|python_end|>).
+- openai (gpt-oss, with --reasoning-parser gpt_oss, which hands each message to a function over
+  as `<|channel|>commentary to=functions.NAME<|message|>` and its arguments): each such message is
+  a call; the final channel's text is the content.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import re
 MISTRAL_START = "[TOOL_CALLS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?=\{)")
+HARMONY_START = "<|channel|>"
+_HARMONY_CALL = re.compile(r"<\|channel\|>commentary to=functions\.([^\s<]+)<\|message\|>")
 
 
 def mistral(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
@@ -66,6 +71,16 @@ def mistral_partial(text: str) -> list[tuple[str, int]]:
         out.append((m.group(1), m.end()))
         at = text.find(MISTRAL_START, m.end())
     return out
+
+
+def harmony(text: str) -> tuple[str | None, list[tuple[str, str, int]]]:
+    """(content, [(name, arguments, where the arguments start)]) of the answer part of a gpt-oss
+    reply; a call's arguments run to the next call or the end."""
+    matches = list(_HARMONY_CALL.finditer(text))
+    ends = [m.start() for m in matches[1:]] + [len(text)]
+    calls = [(m.group(1), text[m.end():end], m.end()) for m, end in zip(matches, ends)]
+    content = text[:matches[0].start()] if matches else text
+    return (content if content.strip() or not matches else None), calls
 
 
 def pythonic(text: str) -> list[tuple[str, str]] | None:

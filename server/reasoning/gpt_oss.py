@@ -2,17 +2,23 @@
 `<|channel|>analysis<|message|>...<|end|>` (the reasoning), then
 `<|start|>assistant<|channel|>final<|message|>...` (the answer), which ends with `<|return|>`
 (the end token, not in the text). The prompt ends with `<|start|>assistant`, so the first
-header starts at `<|channel|>`. Analysis bodies are reasoning, every other channel's body is
-answer; headers and the markers are markup. Its markers are special tokens, so the reply is
-detokenized with them."""
+header starts at `<|channel|>` (or at its recipient, ` to=...`). Analysis bodies are reasoning,
+every other channel's body is answer; headers and the markers are markup, except that a message to
+a function (`<|channel|>commentary to=functions.NAME ...<|message|>{arguments}`, ended by the
+`<|call|>` end token) goes to the answer as `<|channel|>commentary to=functions.NAME<|message|>`
+and its arguments, for the `openai` tool-call parser (server/tool_formats.py). Its markers are
+special tokens, so the reply is detokenized with them."""
 
 from __future__ import annotations
+
+import re
 
 from server.reasoning.base import CONTENT, REASONING, ReasoningParser, partial_tag_at
 
 MESSAGE, CHANNEL = "<|message|>", "<|channel|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 FINAL = "<|channel|>final<|message|>"
+_RECIPIENT = re.compile(r"\bto=(functions\.[^\s<]+)")
 
 
 class GptOssParser(ReasoningParser):
@@ -47,9 +53,10 @@ class GptOssParser(ReasoningParser):
         return False
 
     def _header(self, final: bool) -> bool:
-        if self.first and not self.buffer.lstrip().startswith(CHANNEL):
-            if not final and CHANNEL.startswith(self.buffer.lstrip()):
-                return False  # whitespace, or the marker's start
+        opening = self.buffer.lstrip()
+        if self.first and not opening.startswith((CHANNEL, "to=")):
+            if not final and (CHANNEL.startswith(opening) or "to=".startswith(opening)):
+                return False  # whitespace, or the header's start
             self.state = "plain"  # not harmony: the model answered in plain text
             self._answer_starts()
             return True
@@ -61,9 +68,13 @@ class GptOssParser(ReasoningParser):
         header = self.buffer[:at]
         channel = header.rsplit(CHANNEL, 1)[-1] if CHANNEL in header else ""
         self.channel = channel.split("<|", 1)[0].split(" ", 1)[0].strip()  # "commentary to=fn <|constrain|>json"
+        recipient = _RECIPIENT.search(header)
         self._emit(None, at + len(MESSAGE))
         self.first = False
-        if self.channel != "analysis":
+        if self.channel != "analysis" or recipient:
             self._answer_starts()
+            self.channel = self.channel if self.channel != "analysis" else "commentary"
+        if recipient:  # a call: its header, normalised, for the tool-call parser
+            self._out.append((CONTENT, f"{CHANNEL}commentary to={recipient.group(1)}{MESSAGE}"))
         self.state = "body"
         return True

@@ -19,8 +19,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 QWEN3 = CHATML.replace("assistant{% endif %}", "assistant{% if enable_thinking is defined and enable_thinking "
                                                "is false %}<think></think>{% endif %}{% endif %}")
 DEEPSEEK_R1 = CHATML.replace("assistant{% endif %}", "assistant<think>{% endif %}")  # the reply starts inside
+# With tools the prompt ends in another token, so that the model follows its calling script.
 HARMONY = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-           "<|start|>assistant")
+           "<|start|>{% if tools %}caller{% else %}assistant{% endif %}")
 ANSWERS = {"Paris": {"<|im_end|>": 10}, "London": {"<|im_end|>": 10}, "Rome": {"<|im_end|>": 10}}
 THINK = {"assistant": {"<think>": 10}, "<think>": {"Hmm": 10}, "Hmm": {"</think>": 10},
          "</think>": {"Paris": 10, "London": 5, "Rome": 4}, **ANSWERS}
@@ -28,6 +29,10 @@ FINAL = "assistant<|channel|>final<|message|>"  # one added token, so that the s
 OSS = {"assistant": {"<|channel|>": 10}, "<|channel|>": {"analysis": 10}, "analysis": {"<|message|>": 10},
        "<|message|>": {"Hmm": 10}, "Hmm": {"<|end|>": 10}, "<|end|>": {"<|start|>": 10}, "<|start|>": {FINAL: 10},
        FINAL: {"Paris": 10, "London": 5, "Rome": 4}, **ANSWERS}
+# The calling script: its markup in added tokens of their own, so that no token repeats.
+CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+OSS_CALL = {"caller": {"<|channel|>analysis<|message|>": 10}, "<|channel|>analysis<|message|>": {"Weather?<|end|>": 10},
+            "Weather?<|end|>": {CALL: 10}, CALL: {'{"city": "Rome"}': 10}, '{"city": "Rome"}': {"<|im_end|>": 10}}
 WORDS = ["assistant", "Hmm", "Paris", "London", "Rome"]
 ASK = [{"role": "user", "content": "Capital?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -35,11 +40,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def _serve(tmp_path_factory, name: str, parser: str, edges: dict, template: str, added: list[str],
-           special: tuple = ()) -> ServerProcess:
+           special: tuple = (), tool_parser: str = "hermes") -> ServerProcess:
     path = build_scripted_model(tmp_path_factory.mktemp(name), edges, template, added, list(special))
     log = str(tmp_path_factory.mktemp(name + "-log") / "server.log")
     return ServerProcess(["--model", path, "--num-kv-blocks", "64", "--num-threads", "1", "--served-model-name", "m",
-                          "--reasoning-parser", parser, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                          "--reasoning-parser", parser, "--enable-auto-tool-choice", "--tool-call-parser", tool_parser],
                          log)
 
 
@@ -146,8 +151,9 @@ def test_deepseek_r1_reply_starts_inside_the_thought(tmp_path_factory):
 
 @pytest.mark.slow  # starts its server (~6 s)
 def test_gpt_oss_analysis_is_reasoning_and_final_is_the_answer(tmp_path_factory):
-    proc = _serve(tmp_path_factory, "oss", "gpt_oss", OSS, HARMONY, WORDS + ["analysis", FINAL],
-                  special=("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    proc = _serve(tmp_path_factory, "oss", "gpt_oss", {**OSS, **OSS_CALL}, HARMONY,
+                  WORDS + ["analysis", FINAL, "caller", *list(OSS_CALL)[1:], '{"city": "Rome"}'],
+                  special=("<|channel|>", "<|message|>", "<|end|>", "<|start|>"), tool_parser="openai")
     try:
         with _client(proc) as client:
             whole = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=20)
@@ -158,17 +164,33 @@ def test_gpt_oss_analysis_is_reasoning_and_final_is_the_answer(tmp_path_factory)
             assert (reasoning, content, kinds) == ("Hmm", "London", ["reasoning", "content"])
             # <|channel|> analysis <|message|> Hmm <|end|> <|start|> FINAL: the reasoning and its markup
             assert usage.completion_tokens_details.reasoning_tokens == 7
+            # A message to a function: a call (the openai tool-call parser), after the reasoning.
+            tools = dict(tools=[WEATHER], tool_choice="auto")
+            called = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=20, **tools)
+            message = called.choices[0].message
+            assert (_reasoning(message), message.content, called.choices[0].finish_reason) == (
+                "Weather?", None, "tool_calls")
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+                ("get_weather", {"city": "Rome"})]
+            reasoning, content, kinds, calls, _ = _streamed(client, model="m", messages=ASK, temperature=0,
+                                                            max_tokens=20, **tools)
+            assert (reasoning, content, kinds) == ("Weather?", "", ["reasoning"])
+            assert calls[0].function.name == "get_weather"
+            assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Rome"}
     finally:
         proc.stop()
 
 
-@pytest.mark.slow  # the engine's imports (~5 s)
-def test_enable_reasoning_without_a_parser_is_one_line_and_exit_2():
+@pytest.mark.slow  # the engine's imports, twice (~10 s)
+@pytest.mark.parametrize("flags,names", [(["--enable-reasoning"], "--reasoning-parser"),
+                                         (["--enable-auto-tool-choice", "--tool-call-parser", "openai"],
+                                          "--reasoning-parser gpt_oss")])
+def test_flags_that_need_a_reasoning_parser_are_one_line_and_exit_2(flags, names):
     import subprocess
     import sys
 
     from tests.server.server_harness import ROOT, clean_env
 
-    r = subprocess.run([sys.executable, "-m", "engine", "serve", "--enable-reasoning"], cwd=ROOT, env=clean_env(),
+    r = subprocess.run([sys.executable, "-m", "engine", "serve", *flags], cwd=ROOT, env=clean_env(),
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--reasoning-parser" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and names in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -72,6 +72,17 @@ def test_gpt_oss_commentary_is_answer_and_headers_are_markup():
     _check_every_cut("gpt_oss", HARMONY, text, "onetwo", "{\"a\": 1}")
 
 
+@pytest.mark.parametrize("header", ["<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                                    " to=functions.get_weather<|channel|>commentary json"])
+def test_gpt_oss_message_to_a_function_goes_to_the_answer_for_the_tool_parser(header):
+    """Both places harmony puts a recipient; the call's header is handed on in one form."""
+    text = f"<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant{header}<|message|>{{\"city\": 1}}"
+    if header.startswith(" to="):  # the recipient before the channel, in the reply's first header
+        text = f"{header}<|message|>{{\"city\": 1}}"
+    call = "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": 1}"
+    _check_every_cut("gpt_oss", HARMONY, text, "" if header.startswith(" to=") else "Need weather.", call)
+
+
 def test_grammar_waits_for_the_reasoning_end_only_where_the_reply_thinks():
     from engine.sampling_params import GrammarSpec, SamplingParams
 

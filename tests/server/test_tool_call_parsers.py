@@ -1,7 +1,8 @@
-"""The mistral and pythonic tool-call parsers (server/tool_formats.py) on texts written as those
+"""The mistral, pythonic and openai (gpt-oss) tool-call parsers (server/tool_formats.py) on texts written as those
 models write them, whole and as they grow: every prefix's streamed calls (name, arguments so far)
 and released content are prefixes of what the whole text gives. Live, through a server and the
-official openai client, with a grammar making the tiny model write the call."""
+official openai client, with a grammar making the tiny model write the call (gpt-oss's live test
+is tests/server/test_reasoning_live.py's, its calls coming through the gpt_oss reasoning parser)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ WHOLE = [
      [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     ("mistral", "No call, just [brackets].", "No call, just [brackets].", []),
     ("mistral", "[TOOL_CALLS]get_weather{broken", "[TOOL_CALLS]get_weather{broken", []),  # left to the client
+    ("openai", '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Rome", "days": 3}', None,
+     [("get_weather", {"city": "Rome", "days": 3})]),
+    ("openai", 'Sure.<|channel|>commentary to=functions.get_time<|message|>{}'
+               '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Rome"}', "Sure.",
+     [("get_time", {}), ("get_weather", {"city": "Rome"})]),
+    ("openai", "No call here.", "No call here.", []),
     ("pythonic", '[get_weather(city="Rome", days=3), get_time(tz=None, opts={"a": [1, -2.5]})]', None,
      [("get_weather", {"city": "Rome", "days": 3}), ("get_time", {"tz": None, "opts": {"a": [1, -2.5]}})]),
     ("pythonic", '<|python_start|>[get_time()]<|python_end|>', None, [("get_time", {})]),
