@@ -77,7 +77,11 @@ def resolve_config_dir(model: str, revision: str | None = None, download_dir: st
     nothing else."""
     if os.path.exists(os.path.expanduser(model)) or hub_id(model) is None:
         return os.path.expanduser(model)
-    return snapshot(hub_id(model)[0], revision, download_dir, ("config",), "--model")
+    repo, gguf_file = hub_id(model)
+    if gguf_file is not None:
+        raise HubError(f"--model {model}: a GGUF file has no config.json, which the plan reads: pass the id of the "
+                       "model it was converted from (ORG/NAME) or its folder")
+    return snapshot(repo, revision, download_dir, ("config",), "--model")
 
 
 def snapshot(repo: str, revision: str | None, download_dir: str | None, kinds: tuple, flag: str) -> str:

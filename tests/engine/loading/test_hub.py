@@ -191,3 +191,39 @@ def test_a_gguf_file_of_a_hub_id_is_downloaded_alone(tmp_path, monkeypatch, mode
     assert path == os.path.join(str(tmp_path), "hub", "models--org--gguf", "snapshots", MAIN, "sub", "model-Q8_0.gguf")
     with open(path, "rb") as f:
         assert f.read() == b"GGUF one file"
+
+
+@pytest.mark.slow
+def test_engine_serve_serves_a_hub_id_under_its_id(hf_home, tiny_model_dir, tmp_path):
+    """The server a vLLM user starts with `serve ORG/NAME`: the official client sees the id, and the
+    completion is transformers' greedy one for the same weights."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from tests.server.server_harness import ServerProcess
+
+    server = ServerProcess([REPO, "--num-kv-blocks", "64"], str(tmp_path / "server.log"), env=_env(hf_home))
+    try:
+        with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+            assert [m.id for m in client.models.list().data] == [REPO]
+            text = client.completions.create(model=REPO, prompt=PROMPT, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+    finally:
+        assert server.stop() == 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = hf_greedy(tiny_model_dir, tokenizer(PROMPT)["input_ids"], 6)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_plan_reads_config_json_alone(offline, tmp_path, monkeypatch, tiny_model_dir):
+    """engine plan's --model: the cached snapshot offline; else config.json is the one file downloaded."""
+    assert hub.resolve_config_dir(REPO, "v2") == os.path.join(offline, "hub", "models--org--tiny", "snapshots", V2)
+    assert hub.resolve_config_dir(tiny_model_dir) == tiny_model_dir
+    with pytest.raises(hub.HubError, match="a GGUF file has no config.json"):
+        hub.resolve_config_dir("org/tiny:model.gguf")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with FakeHub({REPO: {"main": (MAIN, folder_files(tiny_model_dir))}}) as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        folder = hub.resolve_config_dir(REPO)
+    assert fake.fetched == ["config.json"] and os.listdir(folder) == ["config.json"]
