@@ -97,6 +97,27 @@ def test_a_revision_the_cache_lacks_offline_says_what_to_run(offline):
         hub.model_path(EngineConfig(model=REPO, revision="v9"))
 
 
+def test_the_cache_is_download_dir_else_hf_hub_cache_else_hf_home(offline, monkeypatch, tmp_path):
+    cache = os.path.join(offline, "hub")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty home: only the other two can find the model
+    assert hub.model_path(EngineConfig(model=REPO, download_dir=cache)).startswith(cache + os.sep)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    assert hub.model_path(EngineConfig(model=REPO)).startswith(cache + os.sep)
+    with pytest.raises(hub.HubError, match="neither a local path nor in the Hugging Face cache"):
+        hub.model_path(EngineConfig(model=REPO, download_dir=str(tmp_path)))
+
+
+def test_a_snapshot_without_weights_offline_names_what_it_lacks(tmp_path, monkeypatch, tiny_model_dir):
+    """What `hf download org/tiny config.json tokenizer.json` leaves: config and tokenizer, no weights."""
+    with FakeHub({REPO: {"main": (MAIN, folder_files(tiny_model_dir))}}) as fake:
+        snapshot_download(REPO, cache_dir=str(tmp_path), endpoint=fake.url, allow_patterns=["*.json"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(hub.HubError, match=r"--model org/tiny: the cached snapshot has no \*.safetensors weights "
+                                           r".* run `hf download org/tiny --cache-dir "):
+        hub.model_path(EngineConfig(model=REPO, download_dir=str(tmp_path)))
+    assert hub.resolve_config_dir(REPO, download_dir=str(tmp_path)).endswith(MAIN)  # all the plan needs
+
+
 def test_a_local_path_wins_over_a_hub_id(offline, tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
     os.makedirs("org")
@@ -110,6 +131,11 @@ def test_a_hub_id_is_served_under_its_id_with_the_tokenizer_of_its_snapshot(offl
     assert source.name == REPO
     assert source.path == os.path.join(offline, "hub", "models--org--tiny", "snapshots", V2)
     assert source.tokenizer.name_or_path == source.path
+
+
+def test_a_tokenizer_hub_id_beside_a_local_model(offline, tiny_model_dir):
+    source = source_for(EngineConfig(model=tiny_model_dir, tokenizer=REPO))
+    assert source.tokenizer.name_or_path == os.path.join(offline, "hub", "models--org--tiny", "snapshots", MAIN)
 
 
 def test_a_download_fetches_config_tokenizer_and_the_indexed_safetensors_only(tmp_path, monkeypatch, tiny_model_dir):

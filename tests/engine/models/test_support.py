@@ -105,3 +105,22 @@ def test_trust_remote_code_refuses_a_model_class_mapped_to_checkpoint_code(tmp_p
                                                     r"engine's own 'llama' implementation"):
         resolve_model(folder, trust_remote_code=True)
     assert resolve_model(folder).hf_config.model_type == "llama"  # without the flag: the engine's own Llama
+
+
+def test_a_gguf_file_with_yarn_is_refused_when_it_is_opened(tmp_path, monkeypatch, tiny_model_dir):
+    """llama.cpp's converter writes YaRN as rope.scaling.type; the file is refused as the folder is."""
+    import gguf
+
+    from tests.test_gguf_loader import _tiny_model, _write_gguf
+
+    class YarnWriter(gguf.GGUFWriter):
+        def add_rope_freq_base(self, value: float) -> None:
+            super().add_rope_freq_base(value)
+            self.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            self.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", YarnWriter)
+    path = tmp_path / "yarn.gguf"
+    _write_gguf(path, _tiny_model("llama"), "llama")
+    with pytest.raises(UnsupportedModelError, match="model_type 'llama' with rope_scaling of type 'yarn'"):
+        resolve_model(str(path), tokenizer_path=tiny_model_dir)
