@@ -14,10 +14,16 @@ What autograd keeps, op by op (the rules every entry below follows):
   HF RMSNorm: input in fp32, fp32 rstd per token, and the normalized value the weight multiplies
   residual add, reshape, rotary multiply by cos/sin tables: nothing per token
 
-LoRA (lora.py) keeps, per targeted projection, A's r-wide output (B's input) and, with lora_dropout,
-the dropped copy of the projection's input (A's input) and its mask. The projection's own input, which A
-reads without dropout, is the base layer's input counted above: the count is that of full fine-tuning plus
-the adapters', so it stays an upper bound where a frozen layer no adapter targets needs not keep its input.
+LoRA (lora.py) freezes the base, and autograd keeps a tensor that only a frozen weight's gradient would
+need no more (it saves a matmul's input only when the weight requires a gradient): a linear layer's input
+is kept only where an adapter's A reads it, a norm's normalized value (the weight's factor) never, nor the
+LM head's input or the token ids. Each targeted projection adds A's r-wide output (B's input) and, where A
+reads a copy of its input, that copy: the dropped copy and its mask with lora_dropout, or, for PEFT's
+float32 adapters under 16-bit autocast (--dtype mixed), the 16-bit cast autocast makes of it; autocast's
+16-bit copies of A and B are kept too, per layer rather than per token. The
+embedding's output is taken to require a gradient (`enable_input_require_grads`, which PEFT's
+prepare_model_for_kbit_training and transformers' Trainer under gradient checkpointing set); routed
+experts' tensors are counted as in full fine-tuning, an upper bound.
 
 Known gap: Hugging Face's eager Llama attention runs softmax in fp32 and, in 16-bit training, also
 keeps the 16-bit copy (4as bytes per token per layer beyond this count). Eager here means Megatron's
@@ -29,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.planning.lora import LoraSpec, targeted_projections
+from engine.planning.lora import LoraSpec, adapter_tensors, targeted_projections
 from engine.planning.spec import ModelSpec
 
 ATTENTION_KERNELS = ("eager", "flash")
@@ -51,6 +57,9 @@ class Saved:
     outside_tp: bool = False
     # Part of QK^T -> softmax -> dropout -> AV, which selective recomputation recomputes (§4.3).
     core_attention: bool = False
+    # The weights whose gradient alone needs it ("norm", "embed", "lm_head", or LoRA targets): with the base
+    # frozen it is kept only where an adapter reads it.
+    weights: tuple[str, ...] = ()
 
 
 def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
@@ -60,7 +69,7 @@ def _norm(spec: ModelSpec, act_bytes: int, name: str) -> list[Saved]:
     return [
         Saved(f"{name}.input_fp32", FP32 * h, True),
         Saved(f"{name}.rstd", FP32, True),
-        Saved(f"{name}.normalized", act_bytes * h, True),
+        Saved(f"{name}.normalized", act_bytes * h, True, weights=("norm",)),
     ]
 
 
@@ -75,12 +84,13 @@ def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention
     saved: list[Saved] = []
     for block in ("attention", "mlp"):
         saved += _norm(spec, b, f"{block}_norm")
-        saved.append(Saved(f"{block}_norm.output", b * h, True))  # input of the QKV / first MLP linear
+        first = ("q", "k", "v") if block == "attention" else ("gate", "up")
+        saved.append(Saved(f"{block}_norm.output", b * h, True, weights=first))  # input of the QKV / first MLP linear
         if spec.hidden_dropout:
             saved.append(Saved(f"{block}_residual_dropout.mask", MASK * h, True))
     if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on each query and key head
         for name, n in (("q_norm", heads), ("k_norm", kv_heads)):
-            saved.append(Saved(name, (FP32 + b) * n * d + FP32 * n))
+            saved += [Saved(name, FP32 * n * d + FP32 * n), Saved(f"{name}.normalized", b * n * d, weights=("norm",))]
     if attention == "eager":
         # matmul(Q, K^T) keeps Q and K; matmul(P, V) keeps P and V. K and V are first repeated to all
         # query heads (HF repeat_kv, Megatron's expand), so with GQA they are stored at `heads` size.
@@ -89,7 +99,7 @@ def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention
         if spec.attention_dropout:
             saved.append(Saved("attention_dropout.mask", MASK * heads * seq_len, core_attention=True))
             saved.append(Saved("attention_dropout.output", b * heads * seq_len, core_attention=True))
-        saved.append(Saved("attention.output", b * heads * d))  # a contiguous copy, input of o_proj
+        saved.append(Saved("attention.output", b * heads * d, weights=("o",)))  # a contiguous copy, o_proj's input
     else:
         # FlashAttention (Dao et al. 2022) keeps q, k, v, its output (also o_proj's input) and the
         # fp32 softmax log-sum-exp per head; the s x s scores are recomputed in backward.
@@ -101,26 +111,37 @@ def layer_saved_tensors(spec: ModelSpec, seq_len: int, act_bytes: int, attention
         saved += _moe_saved_tensors(spec, act_bytes, tp)
     elif spec.mlp == "swiglu":
         # gate output (SiLU input), SiLU output and up output (the two factors), their product (down input)
-        saved.append(Saved("mlp.swiglu", 4 * b * ffn))
+        saved += [Saved("mlp.swiglu", 3 * b * ffn), Saved("mlp.down_input", b * ffn, weights=("down",))]
     else:
         # fc output (GELU input) and GELU output (second linear's input); unfused GELU keeps more
-        saved.append(Saved("mlp.gelu", UNFUSED_ACTIVATION_TENSORS.get(spec.activation, 2) * b * ffn))
+        saved += [Saved("mlp.gelu", (UNFUSED_ACTIVATION_TENSORS.get(spec.activation, 2) - 1) * b * ffn),
+                  Saved("mlp.down_input", b * ffn, weights=("down",))]
     if lora is not None:
-        saved += lora_saved_tensors(spec, lora, act_bytes, tp, moe)
+        saved = frozen_base(saved, lora) + lora_saved_tensors(spec, lora, act_bytes, tp, moe)
     return saved
+
+
+def frozen_base(saved: list[Saved], lora: LoraSpec | None) -> list[Saved]:
+    """What a frozen base still keeps: all but the tensors only a weight's gradient needs, unless an
+    adapter's A reads that very tensor (targeted, no dropout, no cast copy)."""
+    if lora is None:
+        return saved
+    reads = () if lora.lora_dropout or lora.copies_input else lora.target_modules
+    return [t for t in saved if not t.weights or any(w in reads for w in t.weights)]
 
 
 def lora_saved_tensors(spec: ModelSpec, lora: LoraSpec, b: int, tp: int, moe: bool) -> list[Saved]:
     """The adapters of one layer: A's output (r wide on every TP rank: a row-parallel A's partial sums are
-    all-reduced) and, with dropout, its input's dropped copy and mask (a row-parallel input is split)."""
+    all-reduced) and, where A reads a copy of its input, the copy (with dropout, and its mask; a row-parallel
+    input is split over TP)."""
     saved = []
     for p in targeted_projections(spec, lora):
         if p.place == ("dense" if moe else "moe"):
             continue
         saved.append(Saved(f"{p.name}.lora_A.output", b * lora.r))
-        if lora.lora_dropout:
+        if lora.lora_dropout or lora.copies_input:
             width = p.in_features // tp if p.row_parallel else p.in_features
-            saved.append(Saved(f"{p.name}.lora_dropout", (b + MASK) * width))
+            saved.append(Saved(f"{p.name}.lora_A.input", (b + (MASK if lora.lora_dropout else 0)) * width))
     return saved
 
 
@@ -161,12 +182,25 @@ def layer_activation_bytes(
         return math.ceil(tokens * act_bytes * spec.hidden_size / sp)
     kept = [t for t in layer_saved_tensors(spec, seq_len, act_bytes, attention, tp, moe, lora)
             if not (recompute == "selective" and t.core_attention)]
-    return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept))
+    cast = 0 if lora is None else adapter_cast_bytes(spec, lora, act_bytes, tp, bool(spec.moe_layers) if moe is None
+                                                     else moe)
+    return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in kept)) + cast
+
+
+def adapter_cast_bytes(spec: ModelSpec, lora: LoraSpec, act_bytes: int, tp: int, moe: bool) -> int:
+    """The 16-bit copies autocast makes of one layer's float32 A and B (PEFT's adapters under --dtype mixed):
+    the matmuls keep them for their input gradients, per layer and micro-batch rather than per token."""
+    if not lora.copies_input:
+        return 0
+    layers = {"layer": spec.num_layers, "dense": spec.num_layers - len(spec.moe_layers), "moe": len(spec.moe_layers)}
+    adapters = adapter_tensors(spec, lora)
+    return act_bytes * sum(spec.extra_tensors_per_gpu([t for t in adapters if t.place == place], tp).elements
+                           // layers[place] for place in ("layer", "moe" if moe else "dense") if layers[place])
 
 
 def first_stage_saved_tensors(spec: ModelSpec) -> list[Saved]:
     """Kept by the embedding: the token ids (int64), and the embedding dropout mask."""
-    saved = [Saved("token_ids", INT64)]
+    saved = [Saved("token_ids", INT64, weights=("embed",))]
     if spec.hidden_dropout:
         saved.append(Saved("embedding_dropout.mask", MASK * spec.hidden_size, True))
     return saved
@@ -176,17 +210,19 @@ def last_stage_saved_tensors(spec: ModelSpec, act_bytes: int, tp: int = 1) -> li
     """Kept by the final norm, the LM head (its input) and the loss: Hugging Face's loss upcasts
     logits to fp32 and log_softmax keeps its fp32 output, over the rank's share of the vocabulary."""
     return _norm(spec, act_bytes, "final_norm") + [
-        Saved("final_norm.output", act_bytes * spec.hidden_size, True),
+        Saved("final_norm.output", act_bytes * spec.hidden_size, True, weights=("lm_head",)),
         Saved("log_probs", FP32 * -(-spec.vocab_size // tp)),
         Saved("labels", INT64),
     ]
 
 
-def per_micro_batch_bytes(spec: ModelSpec, seq_len: int, act_bytes: int, recompute: str) -> int:
-    """Tensors shared by the whole micro-batch and every layer: learned-position ids (int64, one row),
-    or the rotary cos and sin tables that the layers keep unless they are fully recomputed."""
+def per_micro_batch_bytes(spec: ModelSpec, seq_len: int, act_bytes: int, recompute: str,
+                          frozen: bool = False) -> int:
+    """Tensors shared by the whole micro-batch and every layer: learned-position ids (int64, one row; none
+    for a `frozen` position table), or the rotary cos and sin tables that the layers keep unless they are
+    fully recomputed."""
     if spec.learned_positions:
-        return INT64 * seq_len
+        return 0 if frozen else INT64 * seq_len
     return 0 if recompute == "full" else 2 * seq_len * spec.head_dim * act_bytes
 
 
@@ -232,9 +268,9 @@ def activation_memory(
     def tokens_bytes(saved: list[Saved]) -> int:
         return math.ceil(tokens * sum(t.bytes_per_token / (sp if t.outside_tp else 1) for t in saved))
 
-    first, last = (tokens_bytes(first_stage_saved_tensors(spec)),
-                   tokens_bytes(last_stage_saved_tensors(spec, act_bytes, tp)))
-    shared = per_micro_batch_bytes(spec, seq_len, act_bytes, recompute)
+    first, last = (tokens_bytes(frozen_base(first_stage_saved_tensors(spec), lora)),
+                   tokens_bytes(frozen_base(last_stage_saved_tensors(spec, act_bytes, tp), lora)))
+    shared = per_micro_batch_bytes(spec, seq_len, act_bytes, recompute, frozen=lora is not None)
     base, extra = divmod(spec.num_layers, pp)
     starts = [stage * base + min(stage, extra) for stage in range(pp + 1)]
     stored = max(

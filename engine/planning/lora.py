@@ -42,6 +42,9 @@ class LoraSpec:
     lora_dropout: float = 0.0  # PEFT's default; above 0 each targeted projection keeps a dropped copy of its input
     base_quantization: str = "none"  # "none": the frozen base at the training dtype
     double_quant: bool = True  # nf4's absmax in 8 bits (bnb_4bit_use_double_quant), as QLoRA trains
+    # A reads a copy of its input even without dropout: PEFT's float32 adapters under 16-bit autocast (the
+    # plan sets it for --dtype mixed), where autocast casts the float32 copy PEFT makes back to 16 bits
+    copies_input: bool = False
 
     def __post_init__(self) -> None:
         if self.r <= 0 or not 0 <= self.lora_dropout < 1:

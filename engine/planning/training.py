@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from engine.planning.activations import activation_memory
 from engine.planning.comm import training_collectives
@@ -105,6 +105,7 @@ def plan_training(
     trainable = spec.params if lora is None else adapter_params(spec, lora)
     if lora is not None:
         _check_lora(spec, lora, zero_accounting)
+        lora = replace(lora, copies_input=precision == "mixed")  # PEFT's float32 adapters under autocast
     steps, trained_tokens = train_steps(layout.global_batch, seq_len, tokens=tokens, samples=samples, epochs=epochs)
     flops, model_flops = training_flops(spec, seq_len, trained_tokens, flops_method, layout.recompute,
                                         None if lora is None else trainable)
