@@ -62,7 +62,8 @@ def _client(server):
 
 
 def _streamed(client, **kw) -> tuple[str, str, list[str], list, object]:
-    """(reasoning, content, the kind of each text delta in order, tool-call deltas, usage)."""
+    """(reasoning, content, the kinds of text deltas in the order they came (a run of one kind
+    once), tool-call deltas, usage)."""
     reasoning, content, kinds, calls, usage = "", "", [], [], None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         usage = chunk.usage or usage
@@ -70,10 +71,10 @@ def _streamed(client, **kw) -> tuple[str, str, list[str], list, object]:
             r = (choice.delta.model_extra or {}).get("reasoning_content")
             if r:
                 reasoning += r
-                kinds.append("reasoning")
+                kinds += [] if kinds[-1:] == ["reasoning"] else ["reasoning"]
             if choice.delta.content:
                 content += choice.delta.content
-                kinds.append("content")
+                kinds += [] if kinds[-1:] == ["content"] else ["content"]
             calls += choice.delta.tool_calls or []
     return reasoning, content, kinds, calls, usage
 
