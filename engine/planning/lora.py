@@ -28,8 +28,23 @@ from engine.planning.weight_formats import WeightFormat
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 BASE_QUANTIZATIONS = ("none", "int8", "nf4")
-NF4 = WeightFormat("NF4", 64, 32 + 4)  # 32 bytes of 4-bit codes + the block's float32 absmax
-NF4_DOUBLE_QUANT = WeightFormat("NF4 + double quantization", 64 * 256, 256 * (32 + 1) + 4)
+
+
+@dataclass(frozen=True)
+class NF4Format(WeightFormat):
+    """bitsandbytes' NF4 storage, exact for any size: two codes a byte, an absmax per 64 weights (float32, or
+    with double quantization a byte, plus a float32 constant per 256 absmax)."""
+
+    double_quant: bool = False
+
+    def bytes(self, elements: int) -> int:
+        blocks = -(-elements // 64)
+        absmax = blocks + 4 * -(-blocks // 256) if self.double_quant else 4 * blocks
+        return -(-elements // 2) + absmax
+
+
+NF4 = NF4Format("NF4", 64, 32 + 4)  # per block of 64: 32 bytes of 4-bit codes + a float32 absmax
+NF4_DOUBLE_QUANT = NF4Format("NF4 + double quantization", 64 * 256, 256 * (32 + 1) + 4, double_quant=True)
 
 
 @dataclass(frozen=True)

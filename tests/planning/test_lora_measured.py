@@ -1,4 +1,5 @@
-"""LoRA's activations against what autograd keeps: a tiny Llama wrapped by PEFT, one forward on CPU.
+"""LoRA against real tensors on CPU: the activations of a tiny Llama wrapped by PEFT against what autograd
+keeps, and the frozen base's bytes against the same model loaded quantized by bitsandbytes.
 
 The base is frozen, so autograd keeps no tensor that only a frozen weight's gradient needs; the count
 (activations.py) must equal the saved tensors (counted with saved_tensors_hooks, each storage once,
@@ -12,7 +13,8 @@ import torch
 import transformers
 
 from engine.planning.activations import activation_memory
-from engine.planning.lora import LORA_TARGETS, LoraSpec
+from engine.planning.lora import LORA_TARGETS, LoraSpec, frozen_base_bytes
+from engine.planning.memory import model_state_memory
 from engine.planning.spec import ModelSpec
 from tests.planning.test_measured import BATCH, SEQ, VOCAB, saved_bytes_of_forward
 
@@ -75,3 +77,46 @@ def test_full_recomputation_keeps_only_layer_inputs_with_lora():
     lora = LoraSpec(4, LORA_TARGETS, lora_dropout=0.1)
     predicted = activation_memory(spec, SEQ, BATCH, 4, recompute="full", lora=lora).stored
     assert measure(model) == pytest.approx(predicted, abs=4)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("quantization", [
+    dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False),
+    dict(load_in_8bit=True),
+], ids=["nf4-double-quant", "nf4", "int8"])
+def test_frozen_base_bytes_equal_bitsandbytes_storage(tmp_path, quantization):
+    # The base as transformers loads it quantized by bitsandbytes (on CPU): each parameter's bytes, with a 4-bit
+    # weight's absmax (and double quantization's second-level absmax) or an 8-bit weight's row scales. The
+    # per-tensor code tables and offset are left out of both sides (lora.py's docstring).
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.BitsAndBytesConfig(**quantization), device_map="cpu",
+        dtype=torch.bfloat16)
+    stored = 0
+    for p in model.parameters():
+        stored += p.nbytes
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            stored += state.absmax.nbytes + (state.state2.absmax.nbytes if state.nested else 0)
+        if getattr(p, "SCB", None) is not None:
+            stored += p.SCB.nbytes
+    base = "int8" if quantization.get("load_in_8bit") else "nf4"
+    lora = LoraSpec(4, base_quantization=base, double_quant=quantization.get("bnb_4bit_use_double_quant", True))
+    assert frozen_base_bytes(ModelSpec.from_hf_config(config.to_dict()), lora, 2) == stored  # exact
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_lora_weights_gradients_and_adamw_state_are_exact():
+    model, spec = lora_llama("sdpa", LORA_TARGETS, 0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    measure(model)
+    optimizer.step()
+    states = model_state_memory(spec, precision="float32", optimizer="adamw", lora=LoraSpec(4, LORA_TARGETS))
+    assert states.weights == sum(p.nbytes for p in model.parameters())
+    assert states.gradients == sum(p.grad.nbytes for p in trainable)
+    assert states.optimizer == sum(t.nbytes for s in optimizer.state.values() for t in s.values())
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
