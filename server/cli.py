@@ -83,7 +83,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls look in this model's output: hermes (Hermes, Qwen: <tool_call>{json}"
                         "</tool_call>), llama3_json (Llama 3.x: a JSON object), mistral ([TOOL_CALLS] then a JSON "
-                        "array or name{arguments}), pythonic (Llama 3.2/4: [fn(arg=value), ...]) or openai (gpt-oss: "
+                        "array or name{arguments}), pythonic (Llama 3.2/4: [fn(arg=value), ...]), qwen3_coder "
+                        "(<tool_call><function=NAME><parameter=P>value...) or openai (gpt-oss: "
                         "messages to functions.NAME; with --reasoning-parser gpt_oss)")
     g.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split a thinking model's chat replies into message.reasoning_content (streamed: "

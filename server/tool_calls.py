@@ -9,7 +9,8 @@ What a request's `tools` and `tool_choice` turn into (`plan`):
 - "auto": free generation, then the server's `--tool-call-parser` finds calls in the text
   (needs `--enable-auto-tool-choice`, as in vLLM): hermes / Qwen `<tool_call>{json}</tool_call>`
   blocks, Llama 3's bare JSON object(s) `{"name": ..., "parameters": {...}}`, or the formats of
-  server/tool_formats.py (mistral's `[TOOL_CALLS]`, pythonic lists).
+  server/tool_formats.py (mistral's `[TOOL_CALLS]`, pythonic lists, qwen3_coder's XML-like blocks,
+  gpt-oss's messages to functions).
 
 Streamed, every mode sends each call's id and name once the name is complete, then its
 arguments' text as it is generated (`partial_calls` follows the growing text).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from engine.sampling_params import GrammarSpec, RequestError
 from server import tool_formats
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai")
 # Parsers whose marker is a special token: the reply is detokenized with special tokens.
 READS_SPECIAL_TOKENS = ("mistral", "openai")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -64,6 +65,7 @@ class Plan:
     mode: str  # none | named | required | auto
     grammar: GrammarSpec | None = None
     name: str | None = None  # the named function
+    functions: dict | None = None  # "auto": name -> parameters schema (qwen3_coder reads its values' types)
     special_tokens: bool = False  # the parser reads a special token's text: detokenize with them
 
 
@@ -108,7 +110,7 @@ def plan(tools: list | None, tool_choice, parallel: bool | None, config: ToolCon
         if not (config.enable_auto and config.parser):
             raise RequestError("tool_choice", " 'auto' needs the server started with --enable-auto-tool-choice and "
                              "--tool-call-parser (or use 'required' or a named function)")
-        return Plan("auto", special_tokens=config.parser in READS_SPECIAL_TOKENS)
+        return Plan("auto", functions=functions, special_tokens=config.parser in READS_SPECIAL_TOKENS)
     raise RequestError("tool_choice", f" must be none, auto, required or {{'type': 'function', 'function': "
                      f"{{'name': ...}}}}, got {str(tool_choice)[:100]!r}")
 
@@ -124,12 +126,13 @@ def calls_from_text(p: Plan, text: str, parser: str | None) -> tuple[str | None,
         calls = partial_calls("required", None, text)
         return (None, [ToolCall(c.name, c.arguments, call_id(parser)) for c in calls]) if calls else (text, [])
     if p.mode == "auto":
-        return parse(parser, text)
+        return parse(parser, text, p.functions)
     return text, []
 
 
-def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """Find tool calls in free text with `parser`; text that holds none is all content."""
+def parse(parser: str, text: str, functions: dict | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Find tool calls in free text with `parser`; text that holds none is all content.
+    `functions`: name -> parameters schema of the request's tools."""
     if parser == "hermes":
         calls = []
         for block in _HERMES.findall(text):
@@ -157,6 +160,9 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
     if parser == "openai":
         content, found = tool_formats.harmony(text)
         return (content, [ToolCall(name, _compact(args)) for name, args, _ in found]) if found else (text, [])
+    if parser == "qwen3_coder":
+        found = tool_formats.qwen3_coder(text, functions or {})
+        return (found[0], [ToolCall(name, args) for name, args in found[1]]) if found else (text, [])
     if parser == "pythonic":
         found = tool_formats.pythonic(text)
         return (None, [ToolCall(name, args) for name, args in found]) if found else (text, [])
@@ -202,8 +208,8 @@ def _split_json_objects(text: str) -> list[str]:
 def may_start_call(parser: str, text: str) -> int:
     """Streaming with "auto": how much of `text` (the choice's text so far) is surely content. A
     call's start, or what could still become one, is held back until the choice ends."""
-    if parser in ("hermes", "mistral", "openai"):
-        marker = {"hermes": HERMES_START, "mistral": tool_formats.MISTRAL_START,
+    if parser in ("hermes", "qwen3_coder", "mistral", "openai"):
+        marker = {"hermes": HERMES_START, "qwen3_coder": HERMES_START, "mistral": tool_formats.MISTRAL_START,
                   "openai": tool_formats.HARMONY_START}[parser]
         at = text.find(marker)
         if at >= 0:
@@ -236,7 +242,7 @@ def partial_calls(mode: str, parser: str | None, text: str) -> list[PartialCall]
     """The calls in a choice's text so far, each once its name is known, with as much of its
     arguments' text as has been generated: "required" arrays, hermes <tool_call> blocks, Llama 3
     objects and mistral's JSON arrays, written name first (as these models, and the "required"
-    grammar, write them), and mistral's name{arguments}. Pythonic calls come whole at the end."""
+    grammar, write them), and mistral's name{arguments}. Pythonic and qwen3_coder calls come whole at the end."""
     if mode == "auto" and parser == "openai":
         return _harmony_partial(text)
     if mode == "auto" and parser == "mistral":

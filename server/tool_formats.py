@@ -9,6 +9,10 @@ those): Mistral's `[TOOL_CALLS]` and the pythonic list of Llama 3.2 / Llama 4, a
   digits, which Mistral's templates require of the ids sent back.
 - pythonic: the whole reply is a Python list of calls with literal keyword arguments,
   `[get_weather(city="Rome", days=3), ...]` (Llama 4 may wrap it in <|python_start|>...<|python_end|>).
+- qwen3_coder (Qwen3-Coder, Qwen3.5): content, then `<tool_call><function=NAME><parameter=P>value
+  </parameter>...</function></tool_call>` blocks (newlines around each part); a value is text,
+  read by its parameter's type in the function's schema (integer, number, boolean, object and
+  array from their text; "null" is null; a string or an unknown parameter as it is).
 - openai (gpt-oss, with --reasoning-parser gpt_oss, which hands each message to a function over
   as `<|channel|>commentary to=functions.NAME<|message|>` and its arguments): each such message is
   a call; the final channel's text is the content.
@@ -81,6 +85,47 @@ def harmony(text: str) -> tuple[str | None, list[tuple[str, str, int]]]:
     calls = [(m.group(1), text[m.end():end], m.end()) for m, end in zip(matches, ends)]
     content = text[:matches[0].start()] if matches else text
     return (content if content.strip() or not matches else None), calls
+
+
+_CODER_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+CODER_START = "<tool_call>"
+
+
+def qwen3_coder(text: str, functions: dict[str, dict]) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """(content, [(name, arguments JSON)]) of a reply, or None when it holds no call.
+    `functions`: name -> parameters schema, for the values' types."""
+    if "<function=" not in text:
+        return None
+    at = text.find(CODER_START)
+    content = text[:at if at >= 0 else text.find("<function=")]
+    calls = []
+    for name, body in _CODER_FUNCTION.findall(text):
+        properties = (functions.get(name) or {}).get("properties") or {}
+        args = {p: _typed(v.removeprefix("\n").removesuffix("\n"), properties.get(p))
+                for p, v in _CODER_PARAMETER.findall(body)}
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
+    return (content if content.strip() else None), calls
+
+
+def _typed(value: str, schema: dict | None):
+    """A qwen3_coder parameter's text as its schema's type says (as it is where that fails)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if value.lower() == "null":
+        return None
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            number = float(value)
+            return int(number) if number.is_integer() else number
+        if kind == "boolean":
+            return {"true": True, "false": False}.get(value.lower(), value)
+        if kind in ("object", "array"):
+            return json.loads(value)
+    except ValueError:  # json.JSONDecodeError is one
+        pass
+    return value
 
 
 def pythonic(text: str) -> list[tuple[str, str]] | None:

@@ -1,8 +1,9 @@
-"""The mistral, pythonic and openai (gpt-oss) tool-call parsers (server/tool_formats.py) on texts written as those
-models write them, whole and as they grow: every prefix's streamed calls (name, arguments so far)
-and released content are prefixes of what the whole text gives. Live, through a server and the
-official openai client, with a grammar making the tiny model write the call (gpt-oss's live test
-is tests/server/test_reasoning_live.py's, its calls coming through the gpt_oss reasoning parser)."""
+"""The mistral, pythonic, qwen3_coder and openai (gpt-oss) tool-call parsers
+(server/tool_formats.py) on texts written as those models write them, whole and as they grow:
+every prefix's streamed calls (name, arguments so far) and released content are prefixes of what
+the whole text gives. Live, through a server and the official openai client, with a grammar
+making the tiny model write the call (gpt-oss's live test is tests/server/test_reasoning_live.py's,
+its calls coming through the gpt_oss reasoning parser)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ WHOLE = [
                '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Rome"}', "Sure.",
      [("get_time", {}), ("get_weather", {"city": "Rome"})]),
     ("openai", "No call here.", "No call here.", []),
+    ("qwen3_coder", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n<parameter=when>\nnull\n</parameter>\n</function>\n"
+                    "</tool_call>", "I'll look.\n", [("get_weather", {"city": "San José", "days": 3, "when": None})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=x>\n"
+                    "[1]\n</parameter>\n</function>\n</tool_call>", None,
+     [("get_weather", {"days": "three", "x": "[1]"})]),  # not an integer; not in the schema: the text
+    ("qwen3_coder", "Plain <b>text</b>.", "Plain <b>text</b>.", []),
     ("pythonic", '[get_weather(city="Rome", days=3), get_time(tz=None, opts={"a": [1, -2.5]})]', None,
      [("get_weather", {"city": "Rome", "days": 3}), ("get_time", {"tz": None, "opts": {"a": [1, -2.5]}})]),
     ("pythonic", '<|python_start|>[get_time()]<|python_end|>', None, [("get_time", {})]),
@@ -45,7 +53,7 @@ WHOLE = [
 
 @pytest.mark.parametrize("parser,text,content,calls", WHOLE)
 def test_whole_text(parser, text, content, calls):
-    got_content, got = tool_calls.parse(parser, text)
+    got_content, got = tool_calls.parse(parser, text, {"get_weather": WEATHER["function"]["parameters"]})
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     if parser == "mistral":
@@ -54,7 +62,7 @@ def test_whole_text(parser, text, content, calls):
 
 @pytest.mark.parametrize("parser,text,content,calls", [w for w in WHOLE if w[3]])
 def test_every_prefix_streams_a_prefix_of_the_whole(parser, text, content, calls):
-    final = tool_calls.parse(parser, text)[1]
+    final = tool_calls.parse(parser, text, {"get_weather": WEATHER["function"]["parameters"]})[1]
     for i in range(len(text) + 1):
         prefix = text[:i]
         released = prefix[:tool_calls.may_start_call(parser, prefix)]
@@ -80,7 +88,9 @@ def _tool():
 # ---- live: the official client, whole and streamed ---------------------------------------------------
 
 LIVE = {"mistral": ('Checking.[TOOL_CALLS]get_weather{"city": "Rome", "days": 3}', "Checking."),
-        "pythonic": ('[get_weather(city="Rome", days=3)]', None)}
+        "pythonic": ('[get_weather(city="Rome", days=3)]', None),
+        "qwen3_coder": ("On it.<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "On it.")}
 
 
 @pytest.mark.slow  # a server per parser (~8 s each)
