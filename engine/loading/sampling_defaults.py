@@ -59,6 +59,6 @@ def read_sampling_defaults(setting: str, model_folder: str | None) -> SamplingDe
     except (RequestError, TypeError) as e:
         raise ValueError(f"{path}: {e}: fix the file, or pass --generation-config vllm to ignore it") from None
     if defaults.as_dict():
-        logger.info("sampling defaults from %s for requests that do not set them: %s (--generation-config vllm "
-                    "ignores them)", path, ", ".join(f"{k}={v}" for k, v in defaults.as_dict().items()))
+        logger.info("the model's sampling defaults (%s): %s (--generation-config vllm ignores them)", path,
+                    ", ".join(f"{k}={v}" for k, v in defaults.as_dict().items()))
     return defaults
