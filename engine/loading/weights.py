@@ -424,7 +424,7 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) 
         tensors.choose_layers(model)
     params = dict(model.named_parameters())
     missing = set(params)
-    for name, tensor in tensors:
+    for name, tensor in _split_fused(model, tensors, params):
         if (target := _target(model, name, params)) is None:
             continue  # another pipeline stage's layer, or a tensor this model does not use
         _, shard_id = model.checkpoint_target(name)
@@ -436,6 +436,17 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, object]]) 
         missing.discard(target)
     if missing:
         raise ValueError(f"checkpoint has no tensors for parameters: {sorted(missing)[:8]}")
+
+
+def _split_fused(model: torch.nn.Module, tensors: Iterable[tuple[str, object]], params: dict):
+    """The checkpoint's tensors with each fused one this model loads (Phi-3's qkv_proj, gate_up_proj)
+    split into its parts by the model's `checkpoint_parts`, so each part takes its own shard's loader."""
+    split = getattr(model, "checkpoint_parts", None)
+    for name, tensor in tensors:
+        if split is not None and _target(model, name, params) is not None:
+            yield from split(name, tensor)
+        else:
+            yield name, tensor
 
 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mixtral": MoeForCausalLM,

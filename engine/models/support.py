@@ -12,13 +12,24 @@ class UnsupportedModelError(ValueError):
     """A model the engine does not serve; the message names what and lists what is served."""
 
 
+def _rope_scaling(config: dict) -> dict:
+    return {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+
+
 def _rope_type(config: dict) -> str:
-    scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    scaling = _rope_scaling(config)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    # Phi-3's older configs name LongRoPE "su" (or "yarn"); transformers' Phi3Config reads them as longrope.
+    return "longrope" if config.get("model_type") == "phi3" and kind in ("su", "yarn") else kind
 
 
 def _set(config: dict, key: str) -> bool:
     return config.get(key) is not None
+
+
+def _partial_rotary(config: dict):
+    """The partial rotary factor, top-level or (as transformers 5 saves it) in rope_parameters."""
+    return config.get("partial_rotary_factor") or _rope_scaling(config).get("partial_rotary_factor")
 
 
 # (what a config asks for, in the field's words; whether this config asks for it; the model types
@@ -30,8 +41,8 @@ FEATURES = [
      lambda c: _set(c, "attn_logit_softcapping"), ()),
     (lambda c: f"final-logit soft-capping (final_logit_softcapping {c['final_logit_softcapping']})",
      lambda c: _set(c, "final_logit_softcapping"), ()),
-    (lambda c: f"partial rotary embeddings (partial_rotary_factor {c['partial_rotary_factor']})",
-     lambda c: c.get("partial_rotary_factor") not in (None, 1, 1.0), ()),
+    (lambda c: f"partial rotary embeddings (partial_rotary_factor {_partial_rotary(c)})",
+     lambda c: _partial_rotary(c) not in (None, 1, 1.0), ("phi3",)),
     # One window size for all layers is served (the context is capped at it); a list is a window per layer.
     (lambda c: f"a sliding window per layer (sliding_window {c['sliding_window']})",
      lambda c: isinstance(c.get("sliding_window"), (list, tuple)), ()),

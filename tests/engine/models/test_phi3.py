@@ -1,0 +1,139 @@
+"""Phi-3 / Phi-4-mini (engine/models/phi3.py) against transformers: fused qkv_proj and gate_up_proj
+checkpoints, partial rotary embeddings and LongRoPE, greedy token for token in float32 on tiny random
+models, chunked and with a prefix-cache hit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.support import UnsupportedModelError, check_supported
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.models.test_rope_scaling import ORIGINAL, _generate_and_compare
+from tests.tiny_model import build_tokenizer
+
+HEAD_DIM = 16
+
+
+def _longrope(partial: float) -> dict:
+    pairs = int(HEAD_DIM * partial) // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.5 + 0.4 * i for i in range(pairs)]}
+
+
+# name -> Phi3Config fields: Phi-3-mini-4k's plain rope; partial rotary alone; Phi-4-mini's form (3/4 of each
+# head rotated, LongRoPE past an original length, tied embeddings, more query heads per KV head), served
+# past its original length (long factors) and within it (short factors, a table no longer than the original).
+MODELS = {
+    "plain": dict(max_position_embeddings=128),
+    "partial": dict(max_position_embeddings=128, partial_rotary_factor=0.5),
+    "phi4-mini-long": dict(max_position_embeddings=128, original_max_position_embeddings=ORIGINAL,
+                           rope_parameters=_longrope(0.75), partial_rotary_factor=0.75, tie_word_embeddings=True,
+                           hidden_size=128),
+    "phi4-mini-short": dict(max_position_embeddings=ORIGINAL, original_max_position_embeddings=ORIGINAL,
+                            rope_parameters=_longrope(0.75), partial_rotary_factor=0.75),
+}
+
+
+def build_tiny_phi3(path, seed: int = 0, **fields) -> str:
+    """A random float32 Phi3ForCausalLM (as transformers writes it: fused qkv_proj, gate_up_proj) and the
+    test tokenizer, in `path`."""
+    import transformers
+
+    tokenizer = build_tokenizer()
+    args = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=None, initializer_range=0.2,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    args.update(fields)
+    args["num_attention_heads"] = args["hidden_size"] // HEAD_DIM
+    config = transformers.Phi3Config(**args)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def phi3_models(tmp_path_factory):
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = build_tiny_phi3(tmp_path_factory.mktemp(name), **MODELS[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name, backend", [("plain", "cpu"), ("partial", "cpu"), ("phi4-mini-long", "cpu"),
+                                           ("partial", "torch")])
+def test_greedy_matches_transformers(name, backend, phi3_models):
+    """Prompts past the original length (the long factors in transformers too), 32-token chunks, a prefix hit."""
+    _generate_and_compare(phi3_models(name), backend, [40, 100])
+
+
+def test_longrope_short_factors_within_the_original_length(phi3_models):
+    """A table no longer than the original length takes the short factors, as transformers does for every
+    sequence within it."""
+    path = phi3_models("phi4-mini-short")
+    llm = LLM(path, device="cpu", num_kv_blocks=16, block_size=16, max_model_len=ORIGINAL, seed=0)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in (3, 24)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
+
+
+def test_fused_tensors_split_into_rows_of_each_part_in_rotary_order():
+    """q, k and v rows of a fused qkv_proj (float and quantized blocks alike) go to their parts; under partial
+    rotary each head's q/k rows are reordered so the kernels' pairs (i, i + 8) are transformers' (i, i + 4)."""
+    import transformers
+
+    from engine.models.phi3 import Phi3ForCausalLM
+    from engine.quant.quantize import quantize
+
+    def parts(partial: float, name: str, tensor) -> dict:
+        cfg = transformers.Phi3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=1, vocab_size=16, pad_token_id=0, partial_rotary_factor=partial)
+        return dict(Phi3ForCausalLM(cfg, max_positions=8).checkpoint_parts(name, tensor))
+
+    qkv = torch.arange(64, dtype=torch.float32)[:, None].expand(64, 64).contiguous()  # row i holds i
+    full = parts(1.0, "l.self_attn.qkv_proj.weight", qkv)
+    assert [full[f"l.self_attn.{p}_proj.weight"][:, 0].tolist() for p in "qkv"] == \
+        [list(range(32)), list(range(32, 48)), list(range(48, 64))]
+    # A head's 16 rows: rotated pairs (0, 4) .. (3, 7), then 8..15 unrotated; now 0-3 | 8-11 | 4-7 | 12-15.
+    head = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    split = parts(0.5, "l.self_attn.qkv_proj.weight", qkv)
+    assert split["l.self_attn.q_proj.weight"][:, 0].tolist() == head + [16 + i for i in head]
+    assert split["l.self_attn.k_proj.weight"][:, 0].tolist() == [32 + i for i in head]
+    assert split["l.self_attn.v_proj.weight"][:, 0].tolist() == list(range(48, 64))  # values never rotate
+    quantized = quantize(qkv, "int8")
+    blocks = parts(0.5, "l.self_attn.qkv_proj.weight", quantized)
+    assert torch.equal(blocks["l.self_attn.k_proj.weight"].dequantize(), quantized.dequantize()[[32 + i for i in head]])
+    up = parts(0.5, "l.mlp.gate_up_proj.weight", qkv)
+    assert up["l.mlp.gate_proj.weight"][:, 0].tolist() == list(range(32))
+    assert up["l.mlp.up_proj.weight"][:, 0].tolist() == list(range(32, 64))
+
+
+@pytest.mark.parametrize("config", [
+    # microsoft/Phi-3-mini-128k-instruct's first config.json named LongRoPE "su" (factors shortened here)
+    {"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
+     "original_max_position_embeddings": 4096},
+    # microsoft/Phi-4-mini-instruct's config.json: 3/4 of each head rotated, LongRoPE
+    {"model_type": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": {"type": "longrope"}},
+])
+def test_phi3_configs_pass_the_support_check(config):
+    check_supported(config)
+
+
+def test_partial_rotary_stays_refused_for_families_without_it():
+    """transformers 5 saves the factor in rope_parameters; a Llama with it is still refused (its layout here
+    rotates whole heads)."""
+    with pytest.raises(UnsupportedModelError, match="partial rotary embeddings"):
+        check_supported({"model_type": "llama",
+                         "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
