@@ -369,7 +369,8 @@ def _message_schema(schema: dict) -> None:
     turns = [role(("system", "developer", "user"), ["content"], content=text),
              role(("tool",), ["content", "tool_call_id"], content=text, tool_call_id={"type": "string",
                                                                                         "minLength": 1}),
-             {**role(("assistant",), content=p["content"], tool_calls=p["tool_calls"]),
+             {**role(("assistant",), content=p["content"], tool_calls=p["tool_calls"],
+                     reasoning_content=p["reasoning_content"], reasoning=p["reasoning"]),
               "anyOf": [{"required": ["content"], "properties": {"content": text}},
                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}]
     for key in ("type", "required", "additionalProperties"):
@@ -385,6 +386,10 @@ class ChatMessage(_Request):
     # None only for an assistant turn that made tool calls (checked after the fields above).
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    # An assistant turn's reasoning, as a reasoning parser returned it (under either name), sent back
+    # so that templates that keep it (Qwen3's, GLM's, Kimi's read `reasoning_content`) can.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -408,6 +413,8 @@ class ChatMessage(_Request):
     def _tool_fields(self):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls belong to assistant turns")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("reasoning_content (or reasoning) belongs to assistant turns")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool turn needs the tool_call_id it answers")
         return self
@@ -427,6 +434,9 @@ class ChatMessage(_Request):
             out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
         return out
 
 

@@ -17,6 +17,14 @@ def _without_none(data: dict, *keys: str) -> dict:
     return {k: v for k, v in data.items() if not (k in keys and v is None)}
 
 
+def _with_reasoning(data: dict) -> dict:
+    """The reasoning under both names clients read: reasoning_content (DeepSeek's, and vLLM's
+    until late 2025) and reasoning (vLLM's and OpenRouter's since)."""
+    if data.get("reasoning_content") is not None:
+        data["reasoning"] = data["reasoning_content"]
+    return data
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0  # the reasoning's tokens included
@@ -82,13 +90,14 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None  # a reasoning model's thinking (vLLM's field; --reasoning-parser)
+    # A reasoning model's thinking (--reasoning-parser); sent as `reasoning` too.
+    reasoning_content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
     def _reasoning_when_parsed(self, handler):
-        return _without_none(handler(self), "reasoning_content")
+        return _with_reasoning(_without_none(handler(self), "reasoning_content"))
 
 
 class ChatChoice(BaseModel):
@@ -136,8 +145,8 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _only_set(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI deltas omit absent keys
+    def _only_set(self, handler):  # OpenAI deltas omit absent keys
+        return _with_reasoning({k: v for k, v in handler(self).items() if v is not None})
 
 
 class ChatStreamChoice(BaseModel):

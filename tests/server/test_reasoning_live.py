@@ -13,7 +13,9 @@ import pytest
 from tests.scripted_model import build_scripted_model
 from tests.server.server_harness import ServerProcess
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# An assistant turn's reasoning sent back is rendered, as Qwen3's template does.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.reasoning_content %}<think>"
+          "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
 # Qwen3's switch: an empty thought in the prompt when thinking is off.
 QWEN3 = CHATML.replace("assistant{% endif %}", "assistant{% if enable_thinking is defined and enable_thinking "
@@ -68,7 +70,7 @@ def _streamed(client, **kw) -> tuple[str, str, list[str], list, object]:
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         usage = chunk.usage or usage
         for choice in chunk.choices:
-            r = (choice.delta.model_extra or {}).get("reasoning_content")
+            r = _reasoning(choice.delta)
             if r:
                 reasoning += r
                 kinds += [] if kinds[-1:] == ["reasoning"] else ["reasoning"]
@@ -80,7 +82,10 @@ def _streamed(client, **kw) -> tuple[str, str, list[str], list, object]:
 
 
 def _reasoning(message) -> str | None:
-    return (message.model_extra or {}).get("reasoning_content")
+    """The reasoning, under both names the server sends it (vLLM's older and newer)."""
+    extra = message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
+    return extra.get("reasoning_content")
 
 
 @pytest.mark.slow  # starts its server (~6 s)
@@ -98,6 +103,13 @@ def test_qwen3_whole_and_streamed(qwen3):
                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert (_reasoning(off.choices[0].message), off.choices[0].message.content) == (None, "Paris")
         assert off.usage.completion_tokens_details.reasoning_tokens == 0
+        # The reply sent back as the next turn: its reasoning reaches the template (<think> Hmm </think>).
+        turn = message.model_dump(exclude_none=True)
+        follow = [*ASK, turn, {"role": "user", "content": "Sure?"}]
+        again = client.chat.completions.create(model="m", messages=follow, temperature=0, max_tokens=20)
+        bare = [*ASK, {"role": "assistant", "content": "Paris"}, {"role": "user", "content": "Sure?"}]
+        base = client.chat.completions.create(model="m", messages=bare, temperature=0, max_tokens=20)
+        assert again.usage.prompt_tokens == base.usage.prompt_tokens + 3
 
 
 @pytest.mark.slow  # shares the qwen3 server; six requests (~3 s)
