@@ -21,7 +21,7 @@ from engine.planning.layout import Layout, PlanError, check_expert_parallel, che
 from engine.planning.memory import OFFLOADS, OPTIMIZERS, PRECISIONS, ZERO_ACCOUNTING, ZERO_STAGES
 from engine.planning.explain import explain_training
 from engine.planning.hardware import GPU, GPUS, gpu_preset
-from engine.planning.lora import BASE_QUANTIZATIONS, LORA_TARGETS, LoraSpec, adapter_slot_bytes
+from engine.planning.lora import BASE_QUANTIZATIONS, LORA_TARGETS, MAX_LORA_RANK, LoraSpec, adapter_slot_bytes
 from engine.planning.presets import PRESETS
 from engine.planning.report import search_table, serve_table, train_table
 from engine.planning.search import search_plans
@@ -141,7 +141,7 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                         "a dropped copy of its input and a mask for the backward")
     g.add_argument("--base-quantization", choices=BASE_QUANTIZATIONS,
                    help="the frozen base's linear layers: nf4 (QLoRA, bitsandbytes' 4-bit NormalFloat), int8 "
-                        "(LLM.int8) or none (the training dtype, default); embeddings, LM head and norms stay 16-bit")
+                        "(LLM.int8) or none (--dtype, the default); embeddings, LM head and norms stay at --dtype")
     g.add_argument("--double-quant", action=argparse.BooleanOptionalAction,
                    help="nf4: store the blocks' absmax in 8 bits (4.127 bits a weight, QLoRA's default; "
                         "--no-double-quant: 4.5 bits)")
@@ -164,13 +164,12 @@ def lora_spec(args: argparse.Namespace, spec: ModelSpec) -> LoraSpec | None:
         args.parser.error("argument --double-quant/--no-double-quant: applies to --base-quantization nf4 only")
     if args.lora_dropout is not None and args.lora_dropout >= 1:
         args.parser.error(f"argument --lora-dropout: must be below 1, got {args.lora_dropout:g}")
-    targets = args.lora_targets or ("q", "v")
-    if targets == ("all-linear",):
-        targets = tuple(dict.fromkeys(p.target for p in spec.projections()))
-    return LoraSpec(r=args.lora_rank, target_modules=targets,
-                    lora_alpha=8.0 if args.lora_alpha is None else args.lora_alpha,
-                    lora_dropout=args.lora_dropout or 0.0, base_quantization=quantization,
-                    double_quant=args.double_quant is not False)
+    chosen = {"target_modules": args.lora_targets, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
+              "double_quant": args.double_quant}
+    if args.lora_targets == ("all-linear",):
+        chosen["target_modules"] = tuple(dict.fromkeys(p.target for p in spec.projections()))
+    return LoraSpec(r=args.lora_rank, base_quantization=quantization,
+                    **{field: value for field, value in chosen.items() if value is not None})
 
 
 def add_zero_accounting_flag(p: argparse.ArgumentParser) -> None:
@@ -270,7 +269,7 @@ def add_commands(plan: argparse.ArgumentParser) -> None:
                       help="adapter slots held on the GPU: each holds A and B at --max-lora-rank for every projection "
                            "of every layer in --dtype, memory taken from the KV cache (default: no LoRA)")
     lora.add_argument("--max-lora-rank", type=positive_int, metavar="R",
-                      help="the rank each slot is sized for (default 16, vLLM's); needs --max-loras")
+                      help=f"the rank each slot is sized for (default {MAX_LORA_RANK}, vLLM's); needs --max-loras")
     add_hardware_flags(serve, cpu=True)
     add_slo_flags(serve)
     serve.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
@@ -470,8 +469,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{args.parser.prog}: note: max_model_len limited to the model's sliding window ({max_model_len} "
               "tokens), as the engine limits it", file=sys.stderr)
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-    slots = 0 if args.max_loras is None else adapter_slot_bytes(spec, args.max_loras, args.max_lora_rank or 16,
-                                                                 dtype_bytes(dtype), tp, pp)
+    slots = 0 if args.max_loras is None else adapter_slot_bytes(
+        spec, args.max_loras, args.max_lora_rank or MAX_LORA_RANK, dtype_bytes(dtype), tp, pp)
     plan = plan_serving(
         spec, dtype_bytes=dtype_bytes(dtype),
         kv_dtype_bytes=dtype_bytes(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),

@@ -15,8 +15,8 @@ each with a float32 absmax: 4 + 32/64 = 4.5 bits a weight. Double quantization s
 with a float32 constant per 256 of them: 4 + 8/64 + 32/(64 x 256) = 4.127 bits. LLM.int8() (bitsandbytes'
 Linear8bitLt) keeps a byte a weight and a float32 scale per output row. As bitsandbytes does under
 transformers, only linear layers are quantized: embeddings, the LM head, norms, the router and the routed
-experts stay at the 16-bit dtype. Per-tensor constants (a 16-entry NF4 code table, the mean subtracted
-before double quantization) are not counted.
+experts stay at the training dtype. Per-tensor constants (the code tables, the mean subtracted before double
+quantization) are not counted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from engine.planning.weight_formats import WeightFormat
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 BASE_QUANTIZATIONS = ("none", "int8", "nf4")
+MAX_LORA_RANK = 16  # vLLM's default --max-lora-rank: the rank serving's adapter slots are sized for
 
 
 @dataclass(frozen=True)
