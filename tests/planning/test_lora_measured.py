@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from engine.planning.activations import activation_memory
-from engine.planning.lora import LORA_TARGETS, LoraSpec, frozen_base_bytes
+from engine.planning.flops import training_flops
+from engine.planning.lora import LORA_TARGETS, LoraSpec, adapter_params, frozen_base_bytes
 from engine.planning.memory import model_state_memory
 from engine.planning.spec import ModelSpec
 from tests.planning.test_measured import BATCH, SEQ, VOCAB, saved_bytes_of_forward
@@ -31,10 +32,13 @@ def lora_llama(attn, targets, dropout, dtype=torch.float32, recompute="none"):
     if recompute == "full":
         model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
+    spec = ModelSpec.from_hf_config(model.config.to_dict())
+    if not targets:  # full fine-tuning
+        return model, spec
     config = peft.LoraConfig(r=4, target_modules=[f"{t}_proj" for t in targets], lora_dropout=dropout)
     wrapped = peft.get_peft_model(model, config)  # float32 adapters, PEFT's default
     wrapped.train()
-    return wrapped, ModelSpec.from_hf_config(model.config.to_dict())
+    return wrapped, spec
 
 
 def measure(model, autocast=False):
@@ -120,3 +124,17 @@ def test_lora_weights_gradients_and_adamw_state_are_exact():
     assert states.gradients == sum(p.grad.nbytes for p in trainable)
     assert states.optimizer == sum(t.nbytes for s in optimizer.state.values() for t in s.values())
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("targets", [None, ("q", "v"), LORA_TARGETS], ids=lambda t: ",".join(t or ["full"]))
+def test_training_flops_equal_torch_flop_counter(targets):
+    # A frozen weight's matmul runs forward and for its input's gradient (2 of full fine-tuning's 3), an adapter's
+    # all three; with eager attention torch's counter sees QK^T and PV as matmuls too.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, spec = lora_llama("eager", targets, 0.0)
+    adapters = targets and adapter_params(spec, LoraSpec(4, targets))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert training_flops(spec, SEQ, BATCH * SEQ, "exact", "none", adapters)[0] == counter.get_total_flops()
