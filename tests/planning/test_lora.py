@@ -5,7 +5,15 @@ import peft
 import pytest
 import transformers
 
-from engine.planning.lora import LORA_TARGETS, LoraSpec, adapter_params, adapter_slot_bytes, adapter_tensors
+from engine.planning.lora import (
+    LORA_TARGETS,
+    LoraSpec,
+    adapter_params,
+    adapter_slot_bytes,
+    adapter_tensors,
+    frozen_base_bytes,
+)
+from engine.planning.memory import model_state_memory
 from engine.planning.spec import ModelSpec
 from tests.planning.plan_cli import plan, plan_json
 
@@ -70,7 +78,25 @@ def test_plan_train_lora_as_a_user_types_it():
     assert "trainable parameters    39,976,960 (0.593%): LoRA r 16, alpha 32 (scale 2)" in done.stdout
     assert "linear layers in NF4 + double quantization (4.127 bits a weight)" in done.stdout
     assert "fits                 yes (in 24.00 GiB)" in done.stdout
+    explained = plan("train", "--model", "llama-2-7b", "--seq-len", "2048", "--tokens", "1e8", "--lora-rank", "16",
+                     "--explain").stdout
+    assert "2 B x adapter parameters (the base gets none)" in explained
     full = plan_json("train", "--model", "llama-2-7b", "--seq-len", "2048", "--tokens", "1e8")
     lora = plan_json("train", "--model", "llama-2-7b", "--seq-len", "2048", "--tokens", "1e8", "--lora-rank", "16")
     assert full["trainable_params"] == full["params"] and lora["trainable_params"] == 16 * 32 * 2 * 8192
     assert lora["flops"] < full["flops"] and lora["memory_per_gpu"]["optimizer"] < full["memory_per_gpu"]["optimizer"]
+
+
+def test_zero_partitions_the_adapters_states_and_zero_3_the_frozen_base_too():
+    # ZeRO's rules (Rajbhandari et al. 2020, Figure 1) on what trains: the adapters' states partition over the
+    # 8 DP ranks by stage; the frozen base has no gradient or optimizer state, and only ZeRO-3 partitions it.
+    spec, lora = ModelSpec.from_preset("llama-2-7b"), LoraSpec(16, LORA_TARGETS, base_quantization="nf4")
+    n, tensors = adapter_params(spec, lora), 2 * 7 * 32  # A and B of 7 projections in 32 layers
+    frozen = frozen_base_bytes(spec, lora, 2)
+    states = {z: model_state_memory(spec, lora=lora, dp=8, zero=z) for z in (0, 1, 2, 3)}
+    zero0 = states[0]
+    assert (zero0.weights, zero0.gradients, zero0.optimizer) == (frozen + 2 * n, 2 * n, 12 * n + 4 * tensors)
+    assert states[1].optimizer == -(-(12 * n + 4 * tensors) // 8) and states[1].gradients == 2 * n
+    assert states[2].gradients == -(-2 * n // 8) and states[2].weights == frozen + 2 * n
+    assert states[3].weights == frozen_base_bytes(spec, lora, 2, dense_ranks=8) + -(-2 * n // 8)
+    assert states[3].weights < frozen / 7
