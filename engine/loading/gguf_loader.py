@@ -26,6 +26,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen2Config,
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 # llama.cpp writes Mistral and SmolLM2 as "llama" too.
 _ARCHITECTURES = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "phi3": (Phi3Config, "Phi3ForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
 }
@@ -70,14 +72,19 @@ _BLOCK_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Phi-3 keeps q/k/v and gate/up fused, as its checkpoints do (engine/models/phi3.py splits them).
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors llama.cpp stores that are config here, not weights: Phi-3's LongRoPE factors.
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, model_type: str = "llama") -> str:
     if m := _BLOCK_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        block_names = _PHI3_BLOCK_NAMES if model_type == "phi3" else _BLOCK_NAMES
+        if part in block_names:
+            return f"model.layers.{layer}.{block_names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES:
@@ -127,7 +134,8 @@ class GGUFModel:
         for t in self.reader.tensors:
             if t.tensor_type.name not in FORMATS and not _dequantizable(t.tensor_type):
                 raise _undequantizable(t)
-        return {_hf_name(t.name): (t.name, t.tensor_type.name) for t in self.reader.tensors}
+        return {_hf_name(t.name, self.config.model_type): (t.name, t.tensor_type.name) for t in self.reader.tensors
+                if t.name not in _CONFIG_TENSORS}
 
     def tensors(self, native: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Yield (HF name, float32 tensor), dequantizing one tensor at a time; a name in `native`
@@ -135,7 +143,9 @@ class GGUFModel:
         QuantizedTensor."""
         cfg = self.config
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            if t.name in _CONFIG_TENSORS:
+                continue
+            name = _hf_name(t.name, cfg.model_type)
             if name in native:
                 # The raw blocks, [rows, row bytes]: each row is one output row, as dequantize() orders them.
                 w = t.data
@@ -182,8 +192,27 @@ def _rope_scaling(reader: GGUFHeader | GGUFReader, arch: str) -> dict | None:
         scaling = {"rope_type": "yarn", "factor": float(factor)}
         if (orig := _field(reader, f"{arch}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(orig)
+        for key in ("beta_fast", "beta_slow"):  # written by newer converters; YaRN's defaults (32, 1) otherwise
+            if (value := _field(reader, f"{arch}.rope.scaling.yarn_{key}")) is not None:
+                scaling[key] = value
         return scaling
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
+
+
+def _phi3_fields(reader: GGUFHeader | GGUFReader, names: dict, head_dim: int) -> dict:
+    """Phi-3's config fields as llama.cpp's converter writes them: the rotated dimensions of each head, the
+    original length, LongRoPE's factors as two tensors (and its attention factor), no window as 0."""
+    fields = dict(partial_rotary_factor=_field(reader, "phi3.rope.dimension_count", head_dim) / head_dim,
+                  sliding_window=_field(reader, "phi3.attention.sliding_window") or None)
+    if (original := _field(reader, "phi3.rope.scaling.original_context_length")) is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    if "rope_factors_long.weight" in names:
+        fields["rope_scaling"] = {"rope_type": "longrope",
+                                  "long_factor": names["rope_factors_long.weight"].data.tolist(),
+                                  "short_factor": names["rope_factors_short.weight"].data.tolist()}
+        if (attention := _field(reader, "phi3.rope.scaling.attn_factor")) is not None:
+            fields["rope_scaling"]["attention_factor"] = attention
+    return fields
 
 
 def stored_dtype(reader: GGUFHeader | GGUFReader) -> str:
@@ -261,9 +290,13 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel
     elif num_experts:
         raise ValueError(f"{path}: GGUF {arch!r} with experts is not supported; of the mixture-of-experts GGUF "
                          "files, Mixtral's (architecture 'llama' with llama.expert_count) is")
+    phi3 = _phi3_fields(reader, names, head_dim or meta("embedding_length") // meta("attention.head_count")) \
+        if arch == "phi3" else {}
+    rope_scaling = phi3.pop("rope_scaling", None) or _rope_scaling(reader, arch)
     config = config_cls(
         architectures=[hf_arch],
         **experts,
+        **phi3,
         # token_embd's row count is the vocab the weights have; `{arch}.vocab_size` is often absent.
         vocab_size=int(names["token_embd.weight"].shape[1]),
         hidden_size=meta("embedding_length"),
@@ -275,7 +308,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel
         max_position_embeddings=meta("context_length"),
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
         rope_theta=meta("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         dtype=stored_dtype(reader),
         **special,

@@ -4,7 +4,9 @@ models, chunked and with a prefix-cache hit."""
 
 from __future__ import annotations
 
+import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -137,3 +139,81 @@ def test_partial_rotary_stays_refused_for_families_without_it():
     with pytest.raises(UnsupportedModelError, match="partial rotary embeddings"):
         check_supported({"model_type": "llama",
                          "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
+
+
+def _write_phi3_gguf(path, folder: str, kind: str = "F32") -> None:
+    """A Phi-3 folder as llama.cpp's converter writes it (convert_hf_to_gguf.py, Phi3MiniModel): fused
+    attn_qkv and ffn_up, rope.dimension_count for the rotated share, LongRoPE factors as two tensors;
+    `kind` Q8_0 stores the matrices as Q8_0 blocks (gguf-py's own quantizer)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    rope = c.rope_parameters
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * c.hidden_size) // c.num_attention_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, c.num_hidden_layers)
+    for hf_name, t in load_file(f"{folder}/model.safetensors").items():
+        base, suffix = hf_name.rsplit(".", 1)
+        data = np.ascontiguousarray(t.numpy())
+        if kind == "Q8_0" and data.ndim == 2 and "embed_tokens" not in base:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+    if rope.get("rope_type") == "longrope":
+        scale = c.max_position_embeddings / c.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+def test_gguf_serves_the_checkpoint_it_came_from(kind, phi3_models, tmp_path):
+    """Phi-4-mini's form through llama.cpp's layout, greedy against transformers: as float, on the same
+    checkpoint; as Q8_0 blocks (kept as blocks: the fused rows split and reordered as blocks), on the
+    checkpoint holding the blocks' dequantized values."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    folder = phi3_models("phi4-mini-long")
+    path = tmp_path / "phi3.gguf"
+    _write_phi3_gguf(path, folder, kind)
+    if kind == "Q8_0":
+        oracle = tmp_path / "dequantized"
+        shutil.copytree(folder, oracle)
+        tensors = load_file(f"{folder}/model.safetensors")
+        for name, t in tensors.items():
+            if t.dim() == 2 and "embed_tokens" not in name:
+                q8 = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                tensors[name] = torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0).copy())
+        save_file(tensors, oracle / "model.safetensors", metadata={"format": "pt"})
+        folder = str(oracle)
+    # float32 and float activations into the block matmuls, as the oracle's (a quantized file's dtype "auto"
+    # is bfloat16, and int16 activations round them at decode steps).
+    llm = LLM(str(path), tokenizer=folder, device="cpu", num_kv_blocks=48, block_size=16, max_model_len=128,
+              dtype="float32", cpu_gguf_activations="float")
+    assert llm.engine.runner.hf_config.model_type == "phi3"
+    layers = llm.engine.runner.model.layers()
+    assert {getattr(m.quant_format, "name", "float") for layer in layers
+            for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)} == {"float" if kind == "F32" else kind}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in (33, 57, 100)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 6) for p in prompts]

@@ -120,15 +120,16 @@ def test_greedy_matches_transformers(name, backend, scaled_models):
 
 
 def test_yarn_from_gguf_metadata_matches_transformers(tmp_path, monkeypatch):
-    """llama.cpp's converter writes YaRN as rope.scaling.type/factor/original_context_length: the file
-    serves the tokens transformers computes for the checkpoint it came from."""
+    """llama.cpp's converter writes YaRN as rope.scaling.type/factor/original_context_length (and the betas
+    as yarn_beta_fast/slow): the file serves the tokens transformers computes for the checkpoint it came from."""
     import gguf
     from transformers import AutoModelForCausalLM
 
     from tests.test_gguf_loader import _write_gguf
 
+    yarn = {**SCALINGS["yarn"], "beta_fast": 8.0, "beta_slow": 2.0}
     folder = build_tiny_model(tmp_path / "qwen2", model_type="qwen2", head_dim=16, max_position_embeddings=MAX_LEN,
-                              rope_scaling=SCALINGS["yarn"])
+                              rope_scaling=yarn)
 
     class YarnWriter(gguf.GGUFWriter):
         def add_rope_freq_base(self, value: float) -> None:
@@ -136,6 +137,8 @@ def test_yarn_from_gguf_metadata_matches_transformers(tmp_path, monkeypatch):
             self.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             self.add_rope_scaling_factor(4.0)
             self.add_rope_scaling_orig_ctx_len(ORIGINAL)
+            self.add_rope_scaling_yarn_beta_fast(yarn["beta_fast"])
+            self.add_rope_scaling_yarn_beta_slow(yarn["beta_slow"])
 
     monkeypatch.setattr(gguf, "GGUFWriter", YarnWriter)
     path = tmp_path / "yarn.gguf"
