@@ -5,6 +5,7 @@ models, chunked and with a prefix-cache hit."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 
@@ -16,6 +17,11 @@ from engine.models.support import UnsupportedModelError, check_supported
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.models.test_rope_scaling import ORIGINAL, _generate_and_compare
 from tests.tiny_model import build_tokenizer
+
+if not torch.cuda.is_available():
+    # The triton case runs its kernels under Triton's interpreter, as tests/kernels does; the choice is
+    # read when kernels/triton_*.py are first imported (the engine imports them lazily).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HEAD_DIM = 16
 
@@ -74,7 +80,8 @@ def phi3_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, backend", [("plain", "cpu"), ("partial", "cpu"), ("phi4-mini-long", "cpu"),
-                                           ("partial", "torch")])
+                                           ("partial", "torch"),
+                                           pytest.param("phi4-mini-long", "triton", marks=pytest.mark.slow)])
 def test_greedy_matches_transformers(name, backend, phi3_models):
     """Prompts past the original length (the long factors in transformers too), 32-token chunks, a prefix hit."""
     _generate_and_compare(phi3_models(name), backend, [40, 100])
