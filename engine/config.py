@@ -138,9 +138,9 @@ class EngineConfig:
                                               "--log-requests")
     disable_log_stats: bool = _knob(False, "vLLM's flag, accepted with a notice: there is no periodic stats line "
                                            "(/metrics has the numbers)")
-    swap_space: float | None = _knob(None, "vLLM's flag (GiB of CPU swap per GPU), accepted with a notice: a "
-                                           "preempted request's KV blocks are freed and its tokens recomputed, "
-                                           "never swapped")
+    swap_space: float | None = _knob(None, "vLLM's flag (GiB of CPU swap per GPU; default: unset), accepted with "
+                                           "a notice: a preempted request's KV blocks are freed and its tokens "
+                                           "recomputed, never swapped")
     chat_template: str | None = _knob(None, "chat template replacing the tokenizer's own: a file, or the Jinja "
                                             "text itself (default: the tokenizer's template)")
     gguf_weights: str = _knob("native", "a .gguf file's quantized linear weights: native (kept as the file's "

@@ -265,8 +265,11 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field (SamplingParams is the one place values are checked)."""
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                         defaults: dict) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams is the one place values are checked).
+        `defaults`: the model's sampling settings (SamplingDefaults.as_dict()), for the fields this
+        request leaves unset."""
         kw = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
@@ -278,8 +281,10 @@ class _SamplingRequest(_Request):
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            if getattr(self, name) is not None:  # None means "the API default"
+            if getattr(self, name) is not None:  # None means "the model's default, else the API's"
                 kw[name] = getattr(self, name)
+            elif name in defaults:
+                kw[name] = defaults[name]
         return SamplingParams(**kw)
 
 
@@ -313,10 +318,10 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("values other than n are not supported yet")
         return v
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: dict) -> SamplingParams:
         # echo + logprobs reports the prompt's logprobs too, as OpenAI does
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 # --------------------------------------------------------------------------- chat
@@ -566,9 +571,9 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: dict) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, None)
+        return self._sampling_params(max_tokens, logprobs, None, defaults)
 
 
 # --------------------------------------------------------------------------- tokenize / detokenize (vLLM's shapes)

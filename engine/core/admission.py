@@ -33,12 +33,14 @@ def check_context(num_prompt_tokens: int, max_model_len: int, generates: bool = 
                                      "shorten the prompt", code=CONTEXT_LENGTH_EXCEEDED)
 
 
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
+                       default: int | None = None) -> int:
     """The tokens a request may generate: the ones it asked for, which must fit beside the prompt
-    (OpenAI's rule: a 400, not a silently shorter answer), or whatever the window has left."""
+    (OpenAI's rule: a 400, not a silently shorter answer), or whatever the window has left, at most
+    `default` (the model's max_new_tokens, as vLLM caps it)."""
     check_context(num_prompt_tokens, max_model_len)
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        return min(max_model_len - num_prompt_tokens, default or max_model_len)
     if isinstance(requested, int) and requested >= 1 and num_prompt_tokens + requested > max_model_len:
         raise RequestError("max_tokens", f" is {requested}, but the prompt has {num_prompt_tokens} tokens and this "
                                          f"model's maximum context length is {max_model_len} tokens: lower it to "

@@ -34,6 +34,7 @@ class EngineCore:
         self.config = config
         self.tokenizer = source.tokenizer
         self.model_name = source.name
+        self.sampling_defaults = source.sampling_defaults
         self.eos_token_ids = source.eos_token_ids
         self.runner = runner
         self.vocab_size = source.hf_config.vocab_size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from engine.loading.sampling_defaults import SamplingDefaults
 from engine.outputs import CoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -15,6 +16,7 @@ class CoreClient(Protocol):
     tokenizer: Any  # the model's Hugging Face tokenizer
     model_name: str
     max_model_len: int
+    sampling_defaults: SamplingDefaults  # the model's generation_config.json, for requests that leave a field unset
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Queues a request that check_request passed (the front end checks each request once)."""

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.request_stream import RequestStream
+from engine.loading.sampling_defaults import SamplingDefaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import PARAM_NAMES, RequestError, SamplingParams
 
@@ -96,6 +97,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.model_name: str = ""
         self.max_model_len: int = 0
+        self.sampling_defaults = SamplingDefaults()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -291,6 +293,7 @@ class AsyncEngine:
             processor = OutputProcessor(core.tokenizer)  # the engine thread's, like the core
             self.model_name = core.model_name
             self.max_model_len = core.max_model_len
+            self.sampling_defaults = core.sampling_defaults
             self.tokenizer = _private_copy(core.tokenizer)
             self._refresh(core)
         except BaseException as e:  # a failed start is reported to start()'s caller

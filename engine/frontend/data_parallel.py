@@ -47,6 +47,7 @@ class DataParallelCore:
         source = source_for(config)
         layout = check_layout(config, source.hf_config)
         self.tokenizer, self.model_name, self.eos_token_ids = source.tokenizer, source.name, source.eos_token_ids
+        self.sampling_defaults = source.sampling_defaults
         self.vocab_size = source.hf_config.vocab_size
         n = config.data_parallel_size
         self.children = ChildProcesses()

@@ -86,6 +86,11 @@ class LLM:
                                         template_kwargs=chat_template_kwargs) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with: the API's defaults, with the model's
+        generation_config.json settings over them (vLLM's; EngineConfig.generation_config)."""
+        return self.engine.sampling_defaults.params()
+
     def _prompt(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of prompts[i]; ValueError naming it when it is neither."""
         if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
@@ -99,7 +104,7 @@ class LLM:
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")

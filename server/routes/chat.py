@@ -38,9 +38,11 @@ async def create_chat_completion(request: Request):
     prompt = await state.prompts.chat_prompt([m.to_template() for m in body.messages], tools=body.tools,
                                              **body.template_options)
     renames = _renames(body, plan)
+    defaults = state.engine.sampling_defaults
     with sampling_errors(renames=renames):
-        max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len)
-        params = body.to_sampling_params(max_tokens)
+        max_tokens = resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens, state.max_model_len,
+                                        defaults.max_tokens)
+        params = body.to_sampling_params(max_tokens, defaults.as_dict())
         if plan.grammar is not None:
             if params.structured_outputs is not None:
                 raise RequestError("tool_choice", f" {body.tool_choice!r} constrains the output itself: drop "

@@ -28,10 +28,11 @@ async def create_completion(request: Request):
     state.check_admissible(len(prompt_items(body.prompt)), body.n)
     prompts = await state.prompts.completion_prompts(body.prompt)
     params = []
+    defaults = state.engine.sampling_defaults
     with sampling_errors(renames=_renames(body)):
         for p in prompts:
-            params.append(body.to_sampling_params(resolve_max_tokens(len(p.token_ids), body.max_tokens,
-                                                                     state.max_model_len)))
+            max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len, defaults.max_tokens)
+            params.append(body.to_sampling_params(max_tokens, defaults.as_dict()))
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

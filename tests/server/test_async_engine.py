@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.frontend.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from engine.loading.sampling_defaults import SamplingDefaults
 from engine.outputs import CoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class FakeCore:
 
     model_name = "fake"
     max_model_len = 64
+    sampling_defaults = SamplingDefaults()
     tokenizer = NumberTokenizer()
 
     def __init__(self, config: EngineConfig):

@@ -24,7 +24,7 @@ ATTRIBUTES = sorted(CoreClient.__annotations__)
 def test_the_protocol_names_what_the_front_end_calls():
     assert METHODS == ["abort_request", "add_request", "check_health", "check_request", "finish_choice",
                        "has_unfinished_requests", "shutdown", "stats", "step"]
-    assert ATTRIBUTES == ["max_model_len", "model_name", "tokenizer"]
+    assert ATTRIBUTES == ["max_model_len", "model_name", "sampling_defaults", "tokenizer"]
 
 
 @pytest.mark.parametrize("core_class", [EngineCore, DataParallelCore])
