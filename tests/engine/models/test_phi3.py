@@ -237,3 +237,27 @@ def test_tensor_parallel_ranks_load_their_slices_of_the_fused_tensors(phi3_model
              num_threads=1, seed=0) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_at_load_serves_the_dequantized_checkpoint(method, phi3_models, tmp_path):
+    """--quantization quantizes each fused matrix whole, then its blocks split and reorder like its rows:
+    greedy tokens are transformers' on the checkpoint holding the blocks' dequantized values."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.quant.quantize import quantize
+
+    folder = phi3_models("phi4-mini-long")
+    oracle = tmp_path / "dequantized"
+    shutil.copytree(folder, oracle)
+    tensors = load_file(f"{folder}/model.safetensors")
+    group = {"quantization_group_size": 32} if method == "int4" else {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed_tokens" not in name:  # the tied embedding and head stay float
+            tensors[name] = quantize(t, method, 32).dequantize().float()
+    save_file(tensors, oracle / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(folder, device="cpu", num_kv_blocks=32, block_size=16, max_model_len=128, quantization=method, **group)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 90)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(str(oracle), p, 6) for p in prompts]
