@@ -13,7 +13,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.arg_utils import ArgumentParser, add_engine_arg, add_log_level, walk_parsers
-from engine.config import BLOCK_SIZES, canonical_dtype
+from engine.config import BLOCK_SIZES, canonical_dtype, hub_id
+from engine.loading.hub import resolve_config_dir
 from engine.planning.activations import ATTENTION_KERNELS, RECOMPUTE
 from engine.planning.argtypes import bandwidth, fraction, positive_bytes, positive_float, positive_int, share
 from engine.planning.flops import FLOPS_METHODS
@@ -293,11 +294,12 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
             parser.error("argument --model: give either --model or the dimensions, not both")
         if args.model in PRESETS:
             spec = ModelSpec.from_preset(args.model)
-        elif Path(args.model).exists():
-            spec = _or_error(parser, "--model", ModelSpec.from_hf_config, args.model)
+        elif Path(args.model).exists() or hub_id(args.model) is not None:
+            # A Hub id is read from the local Hugging Face cache (its config.json alone is fetched when missing).
+            spec = _or_error(parser, "--model", lambda m: ModelSpec.from_hf_config(resolve_config_dir(m)), args.model)
         else:
-            parser.error(f"argument --model: {args.model!r} is neither a preset ({', '.join(PRESETS)}) "
-                         f"nor a config path")
+            parser.error(f"argument --model: {args.model!r} is neither a preset ({', '.join(PRESETS)}), "
+                         f"a config path nor a Hub id (ORG/NAME)")
     else:
         missing = [f"--{d}" for d in dims if getattr(args, d) is None]
         if missing:

@@ -253,3 +253,16 @@ def test_the_plan_reads_config_json_alone(offline, tmp_path, monkeypatch, tiny_m
         monkeypatch.setenv("HF_ENDPOINT", fake.url)
         folder = hub.resolve_config_dir(REPO)
     assert fake.fetched == ["config.json"] and os.listdir(folder) == ["config.json"]
+
+
+def test_engine_plan_reads_a_hub_ids_config_from_the_cache(hf_home, tiny_model_dir):
+    """`engine plan` needs only config.json: a cached Hub id plans as its folder does; an uncached one
+    offline is one line."""
+    def plan(model: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "engine", "plan", "serve", "--model", model, "--gpu", "h100-sxm",
+                               "--json"], cwd=ROOT, env=_env(hf_home), capture_output=True, text=True, timeout=120)
+
+    by_id, by_folder, absent = plan(REPO), plan(tiny_model_dir), plan("org/absent")
+    assert by_id.returncode == by_folder.returncode == 0, by_id.stderr[-2000:]
+    assert json.loads(by_id.stdout)["model"] == json.loads(by_folder.stdout)["model"]
+    assert absent.returncode == 2 and len(absent.stderr.strip().splitlines()) == 1 and "org/absent" in absent.stderr
