@@ -227,14 +227,16 @@ def test_gguf_serves_the_checkpoint_it_came_from(kind, phi3_models, tmp_path):
 
 
 @pytest.mark.slow  # two rank processes
-def test_tensor_parallel_ranks_load_their_slices_of_the_fused_tensors(phi3_models):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_parallel_ranks_load_their_parts_of_the_fused_tensors(layout, phi3_models):
     """TP 2 (gloo on the CPU): each rank takes its query and KV heads out of the split qkv_proj (each head's
-    rows reordered first) and its share of gate and up out of gate_up_proj; greedy tokens are transformers'."""
+    rows reordered first) and its share of gate and up out of gate_up_proj. PP 2: each stage splits only
+    its own layers' tensors (the tied embedding on both ends). Greedy tokens are transformers'."""
     path = phi3_models("phi4-mini-long")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 90)]
-    with LLM(path, tensor_parallel_size=2, device="cpu", num_kv_blocks=32, block_size=16, max_model_len=128,
-             num_threads=1, seed=0) as llm:
+    with LLM(path, device="cpu", num_kv_blocks=32, block_size=16, max_model_len=128, num_threads=1, seed=0,
+             **layout) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
 
