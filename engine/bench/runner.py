@@ -39,11 +39,12 @@ def resolve_dtype(dtype: str, device: str = "auto", model: str | None = None) ->
     model on this device (engine.runner.model_runner.resolve_dtype), named, so the peers get the same."""
     if dtype != "auto":
         return dtype
+    from engine.loading.hub import resolve_config_dir
     from engine.loading.loader import stored_dtype
     from engine.runner.model_runner import resolve_device, resolve_dtype as engine_dtype
 
     try:  # a served model's name (bench serve against a URL) has no folder to read: CPU "auto" -> float32
-        stored = stored_dtype(model) if model else None
+        stored = stored_dtype(resolve_config_dir(model)) if model else None
     except (OSError, ValueError):
         stored = None
     return str(engine_dtype("auto", resolve_device(device), stored)).removeprefix("torch.")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from huggingface_hub import snapshot_download
 
 from engine.cli import main
@@ -25,6 +26,7 @@ from tests.engine.loading.fake_hub import FakeHub, folder_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 REPO = "org/tiny"
+BF16_REPO = "org/tiny-bf16"  # the same files, its config.json recording bfloat16 weights
 MAIN, V2 = hashlib.sha1(b"main").hexdigest(), hashlib.sha1(b"v2").hexdigest()
 # A model card's recommended sampling, as generation_config.json carries it (transformers' keys).
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 7, "min_p": 0.05,
@@ -39,9 +41,10 @@ def hf_home(tmp_path_factory, tiny_model_dir) -> str:
     home = str(tmp_path_factory.mktemp("hf-home"))
     files = folder_files(tiny_model_dir)
     v2 = {**files, "generation_config.json": json.dumps(GENERATION_CONFIG).encode()}
-    with FakeHub({REPO: {"main": (MAIN, files), "v2": (V2, v2)}}) as fake:
-        for revision in ("main", "v2"):
-            snapshot_download(REPO, revision=revision, cache_dir=os.path.join(home, "hub"), endpoint=fake.url)
+    bf16 = {**files, "config.json": json.dumps({**json.loads(files["config.json"]), "dtype": "bfloat16"}).encode()}
+    with FakeHub({REPO: {"main": (MAIN, files), "v2": (V2, v2)}, BF16_REPO: {"main": (MAIN, bf16)}}) as fake:
+        for repo, revision in ((REPO, "main"), (REPO, "v2"), (BF16_REPO, "main")):
+            snapshot_download(repo, revision=revision, cache_dir=os.path.join(home, "hub"), endpoint=fake.url)
     return home
 
 
@@ -266,3 +269,14 @@ def test_engine_plan_reads_a_hub_ids_config_from_the_cache(hf_home, tiny_model_d
     assert by_id.returncode == by_folder.returncode == 0, by_id.stderr[-2000:]
     assert json.loads(by_id.stdout)["model"] == json.loads(by_folder.stdout)["model"]
     assert absent.returncode == 2 and len(absent.stderr.strip().splitlines()) == 1 and "org/absent" in absent.stderr
+
+
+def test_bench_reads_a_hub_ids_dtype_as_its_folders(offline, tiny_model_dir):
+    """`engine bench`'s dtype "auto" is the engine's reading of the model's config.json, for a Hub id too."""
+    from engine.bench.runner import resolve_dtype
+
+    from engine.runner.model_runner import resolve_dtype as engine_dtype
+
+    assert resolve_dtype("auto", "cpu", REPO) == "float32"
+    # What the engine itself runs a bfloat16 checkpoint in on this CPU (bfloat16 where it has native bf16 matmuls).
+    assert resolve_dtype("auto", "cpu", BF16_REPO) == str(engine_dtype("auto", torch.device("cpu"), "bfloat16"))[6:]
