@@ -1,6 +1,6 @@
 """Phi-3 / Phi-4-mini (engine/models/phi3.py) against transformers: fused qkv_proj and gate_up_proj
 checkpoints, partial rotary embeddings and LongRoPE, greedy token for token in float32 on tiny random
-models, chunked and with a prefix-cache hit."""
+models, chunked, preempted and with a prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def phi3_models(tmp_path_factory):
                                            ("partial", "torch"),
                                            pytest.param("phi4-mini-long", "triton", marks=pytest.mark.slow)])
 def test_greedy_matches_transformers(name, backend, phi3_models):
-    """Prompts past the original length (the long factors in transformers too), 32-token chunks, a prefix hit."""
+    """Prompts past the original length (the long factors in transformers too), 32-token chunks, preemption,
+    a prefix-cache hit."""
     _generate_and_compare(phi3_models(name), backend, [40, 100])
 
 

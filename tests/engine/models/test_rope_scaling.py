@@ -1,6 +1,6 @@
 """Rope scaling types (engine/layers/rotary.py) against transformers: each type's frequencies and attention
 factor against transformers' own functions, and greedy generation token for token on a tiny Llama whose
-prompts run past the original length (32 tokens here), chunked and with a prefix-cache hit."""
+prompts run past the original length (32 tokens here), chunked, preempted and with a prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -98,15 +98,17 @@ def scaled_models(tmp_path_factory):
 
 
 def _generate_and_compare(path: str, backend: str, lengths: list[int], max_tokens: int = 6) -> None:
-    """Greedy tokens of prompts of these lengths, in 32-token chunks, then the longest prompt's first 64
-    tokens plus others again (a prefix-cache hit), each against transformers."""
-    llm = LLM(path, device="cpu", num_kv_blocks=48, block_size=16, max_model_len=MAX_LEN, max_num_batched_tokens=32,
+    """Greedy tokens of prompts of these lengths (one of 100 among them), in 32-token chunks, in 8 blocks
+    of 16 that cannot hold them all (preemption), then the longest prompt's first 64 tokens plus others
+    again (a prefix-cache hit), each against transformers."""
+    llm = LLM(path, device="cpu", num_kv_blocks=8, block_size=16, max_model_len=MAX_LEN, max_num_batched_tokens=32,
               seed=0, attention_backend=backend)
     rng = random.Random(len(path))
     prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.stats()["num_chunked_prefills"] > 0
+    stats = llm.engine.stats()
+    assert stats["num_chunked_prefills"] > 0 and stats["num_preemptions"] > 0
     again = max(prompts, key=len)[:64] + [rng.randrange(3, llm.engine.vocab_size) for _ in range(9)]
     hits = llm.engine.stats()["prefix_cache_hits"]
     outs += llm.generate([again], params, use_tqdm=False)
@@ -117,7 +119,7 @@ def _generate_and_compare(path: str, backend: str, lengths: list[int], max_token
 
 # Every prompt past the original 32 tokens: transformers' LongRoPE takes its long factors for them, as the
 # engine does for a table longer than the original (a shorter one takes the short factors: test_phi3.py).
-LENGTHS = {"yarn": [5, 40, 100], "yarn-mscale": [40, 100], "dynamic": [5, 100], "longrope": [40, 100]}
+LENGTHS = {"yarn": [5, 40, 100], "yarn-mscale": [40, 100], "dynamic": [5, 40, 100], "longrope": [40, 100]}
 
 
 @pytest.mark.parametrize("name, backend", [(name, "cpu") for name in LENGTHS] + [
