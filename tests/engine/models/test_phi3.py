@@ -264,3 +264,20 @@ def test_quantized_at_load_serves_the_dequantized_checkpoint(method, phi3_models
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 90)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(str(oracle), p, 6) for p in prompts]
+
+
+def test_a_bf16_checkpoint_keeps_its_fused_matrices_as_bf16_blocks(phi3_models, tmp_path):
+    """On the cpu backend a bfloat16 checkpoint's matrices stay bfloat16 (cpu_bf16_weights): the fused ones
+    are split and reordered as blocks too; greedy tokens are transformers' on the same checkpoint in float32."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(phi3_models("phi4-mini-long"), folder)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=32, block_size=16, max_model_len=128)
+    assert {layer.self_attn.qkv_proj.quant_format.name for layer in llm.engine.runner.model.layers()} == {"BF16"}
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 90)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(str(folder), p, 6) for p in prompts]
