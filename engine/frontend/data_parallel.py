@@ -212,7 +212,9 @@ def _gpu_slices(config, n: int, per_replica: int) -> list[list[str] | None]:
     """The CUDA devices each replica may see (its own tp x pp of them), or None each on CPU."""
     import torch
 
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+    from engine.runner.model_runner import resolve_device
+
+    if resolve_device(config.device).type == "cpu":
         return [None] * n
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
