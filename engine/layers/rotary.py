@@ -3,12 +3,13 @@ scalings of transformers' `rope_type`: `linear`, `llama3`, `yarn`, `dynamic` and
 
 Every type becomes one cos/sin table over the positions the engine serves, computed once, with the
 attention factor (YaRN's temperature, LongRoPE's scale) multiplied in as transformers multiplies it
-into cos and sin; a decode step only looks rows up. Two types depend on a length in transformers,
-and are fixed here by `max_positions` (the longest sequence the table serves), as in vLLM:
+into cos and sin; a decode step only looks rows up. Two types depend on a length in transformers;
+here, as in vLLM, they are fixed once, by `max_positions` (the longest sequence the table serves):
 - `dynamic` NTK: transformers recomputes the base for each forward's length past
   `max_position_embeddings` (keys already cached keep the old one); here the base is the one for
   `max_positions`, so it is transformers' exactly while `max_positions` stays within
-  `max_position_embeddings` (no scaling), and its value for a sequence of `max_positions` beyond.
+  `max_position_embeddings` (no scaling), and its value for a sequence of `max_positions` beyond
+  (vLLM takes the length max_position_embeddings x factor instead).
 - `longrope`: transformers takes the short factors while a forward's length is within
   `original_max_position_embeddings` and the long ones past it; here the long factors serve every
   position when `max_positions` exceeds the original length, the short ones otherwise (vLLM's
