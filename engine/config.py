@@ -229,6 +229,10 @@ class EngineConfig:
     tensor_parallel_size: int = _knob(1, "split each layer over this many GPUs (CPU: processes)")
     pipeline_parallel_size: int = _knob(1, "split the layers into this many stages, one per GPU group")
     data_parallel_size: int = _knob(1, "independent engine replicas behind one server")
+    core_process: bool = _knob(False, "run the engine core (scheduler, model steps) in a process of its own, "
+                                      "as vLLM's V1 does: the front end's process keeps HTTP, tokenization and "
+                                      "detokenization, so they never share the interpreter with the steps (always "
+                                      "so with data_parallel_size > 1)")
     enable_expert_parallel: bool = _knob(False, "mixture-of-experts: the tensor-parallel ranks hold whole "
                                                 "experts each instead of a slice of every expert")
     pipeline_micro_batches: int | None = _knob(None, "micro-batches per engine step with pipeline stages, so "

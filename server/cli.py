@@ -213,14 +213,13 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
     import uvicorn
 
     from engine.frontend.async_engine import AsyncEngine
-    from engine.frontend.data_parallel import DataParallelCore
     from engine.loading.default_model import USER_ERRORS
     from server.app import build_app
     from server.connections import ConnectionTable
     from server.http_protocol import HTTPProtocol, ReadTimeouts
     from server.uvicorn_server import EngineServer
 
-    engine = AsyncEngine(config, core_factory=DataParallelCore if config.data_parallel_size > 1 else None)
+    engine = AsyncEngine(config)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,

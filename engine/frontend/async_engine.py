@@ -424,9 +424,9 @@ class _Pending:
 
 
 def _default_core_factory(config: EngineConfig) -> CoreClient:
-    from engine.frontend.startup import build_engine_core
+    from engine.frontend.startup import start_core
 
-    return build_engine_core(config)
+    return start_core(config)
 
 
 def _private_copy(tokenizer):

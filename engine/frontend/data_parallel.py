@@ -1,8 +1,8 @@
 """Data parallel: data_parallel_size whole engine replicas (each may itself be TP x PP) in their
 own processes, behind the core's interface (CoreClient), so that AsyncEngine (the server) and LLM drive
-them exactly as they drive one core:
-
-    AsyncEngine(config, core_factory=DataParallelCore)   # what `engine serve` does when dp > 1
+them exactly as they drive one core (engine.frontend.startup.start_core picks this front when dp > 1).
+With one replica (EngineConfig.core_process) it is vLLM's process split: the engine core steps in a
+process of its own while the front's process does HTTP, tokenization and detokenization.
 
 The front offers the same check_request as EngineCore (its caller checks each request once), routes it (Router: least
 loaded, with prefix affinity), sends it down the replica's pipe, and gathers every replica's
@@ -55,10 +55,12 @@ class DataParallelCore:
         self._dead: str | None = None
         try:
             gpus = _gpu_slices(config, n, layout.world_size)
-            replica_config = dataclasses.replace(config, data_parallel_size=1)
+            # core_process tells a lone replica that it is the core process (its log says so).
+            replica_config = dataclasses.replace(config, data_parallel_size=1, core_process=n == 1)
             for i in range(n):
                 ours, theirs = multiprocessing.Pipe()
-                self.children.start(f"pagewise-replica{i}", replica_main, i, replica_config, theirs.fileno(), gpus[i],
+                name = "pagewise-core" if n == 1 else f"pagewise-replica{i}"
+                self.children.start(name, replica_main, i, replica_config, theirs.fileno(), gpus[i],
                                     pass_fds=(theirs.fileno(),))
                 theirs.close()
                 self.conns.append(ours)
@@ -82,7 +84,7 @@ class DataParallelCore:
         while not self.conns[i].poll(0.1):
             self.children.check()
             if time.monotonic() > deadline:
-                raise WorkerDiedError(f"data-parallel replica {i} did not start in {START_TIMEOUT_S:.0f}s")
+                raise WorkerDiedError(f"{self._name(i)} did not start in {START_TIMEOUT_S:.0f}s")
         msg = self._recv(i)
         assert msg[0] == "ready", msg
         return msg
@@ -135,11 +137,11 @@ class DataParallelCore:
     def _handle(self, i: int, msg: tuple) -> list[CoreOutput]:
         kind = msg[0]
         if kind == "error":
-            self._dead = f"data-parallel replica {i} failed: {msg[1]}"
+            self._dead = f"{self._name(i)} failed: {msg[1]}"
             raise WorkerDiedError(self._dead)
         if kind == "rejected":
             _, rid, message = msg
-            logger.error("replica %d could not take request %s: %s", i, rid, message)
+            logger.error("%s could not take request %s: %s", self._name(i), rid, message)
             msg = ("step", [CoreOutput(rid, 0, finish_reason="abort", request_finished=True, error=message)],
                    self.replica_stats[i])
         _, outputs, stats = msg
@@ -166,16 +168,20 @@ class DataParallelCore:
         except (EOFError, OSError) as e:
             raise self._lost(i, e) from e
 
+    def _name(self, i: int) -> str:
+        return f"data-parallel replica {i}" if self.config.data_parallel_size > 1 else "the engine core process"
+
     def _lost(self, i: int, error: BaseException) -> WorkerDiedError:
         culprit = self.children.failure(wait_s=2.0)
-        self._dead = f"data-parallel replica {i} is gone: {culprit or type(error).__name__}"
+        self._dead = f"{self._name(i)} is gone: {culprit or type(error).__name__}"
         return WorkerDiedError(self._dead)
 
     # ---- health, stats, shutdown -------------------------------------------------------------
 
     def check_health(self) -> None:
         if self._dead is None and self.children.failure():
-            self._dead = f"data-parallel {self.children.failure()}"
+            what = "data-parallel" if len(self.conns) > 1 else "the engine core process:"
+            self._dead = f"{what} {self.children.failure()}"
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
 

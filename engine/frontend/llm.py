@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend import chat_template
-from engine.frontend.startup import build_engine_core
+from engine.frontend.startup import start_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -21,13 +21,7 @@ Prompt = str | list[int] | dict  # a dict: vLLM's {"prompt": text} or {"prompt_t
 class LLM:
     def __init__(self, model: str | None = None, **config):
         self.config = EngineConfig(model=model, **config)
-        self.engine: CoreClient
-        if self.config.data_parallel_size > 1:  # replicas in their own processes, behind the same core API
-            from engine.frontend.data_parallel import DataParallelCore
-
-            self.engine = DataParallelCore(self.config)
-        else:
-            self.engine = build_engine_core(self.config)
+        self.engine: CoreClient = start_core(self.config)
         self.tokenizer = self.engine.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

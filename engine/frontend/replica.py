@@ -26,7 +26,7 @@ def replica_main(index: int, config, fd: int, gpus: list[str] | None) -> None:
     core = build_engine_core(config)
     try:
         conn.send(("ready", core.max_model_len, core.stats()))
-        logger.info("data-parallel replica %d ready", index)
+        logger.info("engine core process ready" if config.core_process else f"data-parallel replica {index} ready")
         serve(core, conn)
     finally:
         core.shutdown()
