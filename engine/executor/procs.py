@@ -53,8 +53,8 @@ class ChildProcesses:
         """Run `target(*args)` (a module-level function; args picklable) in a new process, which
         inherits the file descriptors `pass_fds` under the same numbers."""
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
-        # A process session of its own (setsid): a Ctrl-C at the terminal reaches only us, and we drain and stop
-        # the children in order, rather than every process dying mid-collective.
+        # Detached from the terminal's process group (setsid): a Ctrl-C at the terminal reaches only us, and we
+        # drain and stop the children in order, rather than every process dying mid-collective.
         proc = subprocess.Popen([sys.executable, "-m", "engine.executor.procs"], stdin=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": path}, pass_fds=pass_fds, start_new_session=True)
         payload = pickle.dumps((name, target, args, logging.getLogger().getEffectiveLevel()))
