@@ -108,7 +108,7 @@ class PromptTokenizer:
                           add_special_tokens: bool = False, tools: list | None = None,
                           continue_final_message: bool = False, template_kwargs: dict | None = None) -> Prompt:
         """`tools`: the request's function definitions, for templates that render them;
-        continue_final_message: the last message left open (protocol._ChatTemplateFields);
+        continue_final_message: the last message left open (protocol/chat.py's _ChatTemplateFields);
         template_kwargs: more variables for the template (chat_template_kwargs)."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")

@@ -1,5 +1,5 @@
 """OpenAI response bodies (pydantic): what the routes return, in OpenAI's shapes (and vLLM's for
-/tokenize, /detokenize). Requests and their mapping onto SamplingParams are server/protocol.py's."""
+/tokenize, /detokenize). Requests and their mapping onto SamplingParams are server/protocol/'s."""
 
 from __future__ import annotations
 
