@@ -1,15 +1,16 @@
 """AsyncEngine: one background thread drives EngineCore.step(); each request gets an async stream.
 
-EngineCore is not thread-safe, so the engine thread is the only one that touches it. The
-asyncio side never calls the core: `generate()` and `abort()` append commands to a queue
-that the engine thread applies between steps, and the engine thread hands each step's
-outputs back to the event loop with one `call_soon_threadsafe`. Every request shares the
-continuous batch; nothing here serializes generation.
+EngineCore is not thread-safe, so the engine thread is the only one that steps it. The
+asyncio side never changes the core: `generate()` runs the request's one admission check (the
+core's check_request reads only what the core fixed at start), then `generate()` and `abort()`
+append commands to a queue that the engine thread applies between steps, and the engine thread
+hands each step's outputs back to the event loop with one `call_soon_threadsafe`. Every request
+shares the continuous batch; nothing here serializes generation.
 
 The engine thread also runs the OutputProcessor right after each step (detokenizing, stop
-strings, which then end their choices in the core before the next step). Outputs are deltas: a
-request's stream merges those its consumer has not taken yet, so a slow consumer sees fewer,
-larger updates instead of a growing backlog.
+strings, which then end their choices in the core before the next step). A streamed request's
+outputs are deltas, merged while its consumer has not taken them, so a slow consumer sees fewer,
+larger updates instead of a growing backlog; a whole one (delta=False) gets one output at its end.
 """
 
 from __future__ import annotations
