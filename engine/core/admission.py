@@ -30,7 +30,7 @@ def check_context(num_prompt_tokens: int, max_model_len: int, generates: bool = 
         room = " and at least one generated token" if generates else ""
         raise RequestError("prompt", f" has {num_prompt_tokens} tokens, but this model's maximum context length "
                                      f"(max_model_len) is {max_model_len} tokens, which must hold the prompt{room}: "
-                                     "shorten the prompt", code=CONTEXT_LENGTH_EXCEEDED)
+                                     "shorten it", code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
