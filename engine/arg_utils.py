@@ -67,7 +67,6 @@ VLLM_ONLY_FLAGS = {
                                       "--tensor-parallel-size / --pipeline-parallel-size / --data-parallel-size",
     "--enable-lora": "LoRA adapters are not served yet",
     "--lora-modules": "LoRA adapters are not served yet",
-    "--speculative-config": "speculative decoding is not supported yet",
 }
 
 

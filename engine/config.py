@@ -9,6 +9,7 @@ This module imports nothing heavy: `engine plan` shares its vocabulary and must 
 from __future__ import annotations
 
 import logging
+import json
 import math
 import os
 import re
@@ -48,6 +49,12 @@ DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "floa
 KV_CACHE_DTYPES = (*DTYPES, "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+# speculative_config: the ngram method's keys (vLLM's), the draft-model methods vLLM has and this
+# engine refuses, and the most draft tokens a step verifies per sequence.
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 15
 
 
 # Environment variables that were engine knobs before they became fields here. They are no longer
@@ -265,6 +272,12 @@ class EngineConfig:
                                           "leaves unbounded get bounds that let the output close (64-bit integers, "
                                           "doubles, strings of at most about max_tokens / 2 characters)")
 
+    speculative_config: dict | None = _knob(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+                                                  "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
+                                                  "\"prompt_lookup_min\": M}: greedy requests decode up to K "
+                                                  "tokens a step that continue an earlier occurrence of their last "
+                                                  "M..N tokens, verified exactly by the model (default: off)")
+
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -341,6 +354,8 @@ class EngineConfig:
               "False with log_requests (the two contradict): drop one")
         if self.chat_template is not None:
             self._check_chat_template()
+        if self.speculative_config is not None:
+            self._check_speculative_config()
         _warn_removed_env()
         for name, notice in VLLM_NOTICES.items():
             if getattr(self, name) not in (None, False) and name not in _noticed:
@@ -429,6 +444,46 @@ class EngineConfig:
             raise ValueError(f"chat_template {text!r} is neither a file nor a Jinja template: "
                              "pass a template file's path or the template text")
         self.chat_template = path
+
+    def _check_speculative_config(self) -> None:
+        """vLLM's keys and defaults (prompt_lookup_min and _max default to each other, or both to 5);
+        what this engine does not speculate with is refused here, in one line."""
+        spec = self.speculative_config
+        if isinstance(spec, str):  # the flag's JSON text
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): pass e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), got {spec!r}")
+        spec = dict(spec)
+        method = spec.get("method")
+        if method is None and spec.get("model") is not None or method in DRAFT_METHODS:
+            raise ValueError(f"speculative_config: draft-model speculation ({method or 'model'}) is not supported "
+                             "yet: use {\"method\": \"ngram\"} (prompt lookup)")
+        if method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram', got {method!r}")
+        unknown = sorted(set(spec) - SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; an ngram config takes "
+                             f"{', '.join(sorted(SPECULATIVE_KEYS))}")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"speculative_config is not supported with {name} > 1 yet: drop one of them")
+        spec.update(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        self.speculative_config = spec
 
     def for_serving(self) -> "EngineConfig":
         """This config as an online engine runs it: the CPU prefill limits it leaves unset filled in,

@@ -34,6 +34,9 @@ class CachedRequestData:
     new_block_ids: list[int]  # appended to its block table; all of it when `resumed`
     num_computed_tokens: int
     resumed: bool = False  # back from preemption: its blocks were freed and `new_block_ids` replaces them
+    # Of the blocks the runner holds for the stream, those still its own: blocks that held only
+    # rejected draft tokens were given back. None: all of them.
+    num_kept_blocks: int | None = None
 
 
 @dataclass
@@ -46,6 +49,9 @@ class SchedulerOutput:
     forks: list[tuple[str, NewRequestData]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), made after the forward
     finished_req_ids: list[str] = field(default_factory=list)  # streams the runner may forget
+    # Speculative decoding: a decoding stream's draft tokens, computed after its last token in the
+    # same step (its num_scheduled_tokens counts them) and verified against the model's own choices.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -65,9 +71,9 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     """One step's answer: a token per stream that reached the end of its known tokens (and per
-    fork), the prompt logprobs of this step's prompt rows, the embeddings of embedding requests
-    whose prompt is done, and the streams whose own data made sampling raise (the core fails
-    their requests; the others are unaffected)."""
+    fork; a speculating stream's tokens are in `verified`), the prompt logprobs of this step's
+    prompt rows, the embeddings of embedding requests whose prompt is done, and the streams whose
+    own data made sampling raise (the core fails their requests; the others are unaffected)."""
 
     sampled: list[tuple[str, SampledToken]] = field(default_factory=list)
     # (stream, index of the first prompt token these entries score, one entry per prompt token)
@@ -75,9 +81,12 @@ class ModelRunnerOutput:
     # (stream, what raised, the message for its client when the request's own parameters are at fault)
     failed: list[tuple[str, str, str | None]] = field(default_factory=list)
     pooled: list[tuple[str, list[float]]] = field(default_factory=list)  # embedding requests whose prompt is done
+    # Streams that verified drafts: the drafts the model agreed with, in order, then its own next token.
+    verified: list[tuple[str, list[int]]] = field(default_factory=list)
 
     def extend(self, other: ModelRunnerOutput) -> None:
         self.sampled += other.sampled
         self.prompt_logprobs += other.prompt_logprobs
         self.failed += other.failed
         self.pooled += other.pooled
+        self.verified += other.verified

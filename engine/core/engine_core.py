@@ -1,8 +1,9 @@
 """EngineCore.step(): schedule -> execute (forward and sampling, in the runner) -> update. Not
 thread-safe: one thread drives it.
 
-A step emits CoreOutputs: per choice, the token it got and whether it ended (EOS, a stop token
-id, max_tokens, the context window). Text is the front end's (engine/output_processor.py): it
+A step emits CoreOutputs: per choice, the tokens it got (one, or several when it verified draft
+tokens) and whether it ended (EOS, a stop token id, max_tokens, the context window: checked token
+by token, so nothing after a stop is emitted). Text is the front end's (engine/output_processor.py): it
 finds stop strings and ends those choices here with `finish_choice`.
 """
 
@@ -61,6 +62,11 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_requests_added = 0  # add_request calls, refused ones too: a front matches its sends to them
+        # Speculative decoding: drafts verified, accepted, and accepted at each draft position.
+        k = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * k
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%d bytes/token, %s, %s); max_model_len %d",
                     self.runner.num_blocks, config.block_size, capacity, self.runner.kv_bytes_per_token(),
                     self.runner.kv_dtype, self.runner.device, self.max_model_len)
@@ -175,7 +181,30 @@ class EngineCore:
             out = self._guarded(req.request_id, self._append_token, parent, req, token)
             if out is not _FAILED:
                 outputs.append(out)
+        for key, tokens in result.verified:
+            req = streams[key]
+            self._count_drafts(len(self.scheduler.drafts[key]), len(tokens) - 1)
+            parent = self.parents.get(req.request_id)
+            if parent is None:
+                continue
+            out = self._guarded(req.request_id, self._append_verified, parent, req, tokens)
+            if out is not _FAILED:
+                outputs.append(out)
         return outputs + self._take_pending()
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def _append_verified(self, parent: ParentRequest, req: Request, tokens: list[int]) -> CoreOutput:
+        """A speculating stream's accepted drafts and the model's next token, as one output; if
+        it goes on, its accepted drafts' K/V stand and the rejected ones' blocks are freed."""
+        out = self._append(parent, req, tokens, None)
+        if not req.is_finished:
+            self.scheduler.accept_drafts(req, len(tokens) - 1)
+        return out
 
     def _guarded(self, request_id: str, fn, *args):
         """fn(*args); if it raises, fail that request (not the engine) and return _FAILED."""
@@ -192,30 +221,39 @@ class EngineCore:
         return pending
 
     def _append_token(self, parent: ParentRequest, req: Request, result: SampledToken) -> CoreOutput:
-        tok = result.token_id
+        return self._append(parent, req, [result.token_id], [result.top_logprobs])
+
+    def _append(self, parent: ParentRequest, req: Request, tokens: list[int], top_logprobs: list | None) -> CoreOutput:
+        """Append the tokens one by one until one ends the choice (the rest are dropped)."""
         if not req.output_token_ids and req.index == 0 and req.num_computed_tokens == req.num_prompt_tokens:
             self.prompt_tokens_total += req.num_prompt_tokens
             parent.num_cached_tokens = req.num_cached_tokens
-        req.output_token_ids.append(tok)
-        self.generation_tokens_total += 1
         p = req.sampling_params
-        n_out = len(req.output_token_ids)
+        first = not req.output_token_ids
         reason, stop_reason = None, None
-        if tok in self.eos_token_ids and (p.structured_outputs is not None or (n_out >= p.min_tokens
-                                                                             and not p.ignore_eos)):
-            # A grammar took the end token, so it has ended, and no token can follow it: the output
-            # stops there whatever min_tokens or ignore_eos ask (the sampler let it end only then).
-            reason = "stop"
-        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
-            reason, stop_reason = "stop", tok
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
-            reason = "length"
+        emitted = []
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            emitted.append(tok)
+            self.generation_tokens_total += 1
+            n_out = len(req.output_token_ids)
+            if tok in self.eos_token_ids and (p.structured_outputs is not None or (n_out >= p.min_tokens
+                                                                                 and not p.ignore_eos)):
+                # A grammar took the end token, so it has ended, and no token can follow it: the output
+                # stops there whatever min_tokens or ignore_eos ask (the sampler let it end only then).
+                reason = "stop"
+            elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+                reason, stop_reason = "stop", tok
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             req.finish_reason, req.stop_reason = reason, stop_reason
             self.scheduler.finish(req)
-        out = CoreOutput(req.request_id, req.index, [tok],
-                         [result.top_logprobs] if p.logprobs is not None else None, reason, stop_reason)
-        if req.index == 0 and n_out == 1:  # the request's first output carries what the prompt gave
+        out = CoreOutput(req.request_id, req.index, emitted,
+                         top_logprobs[:len(emitted)] if p.logprobs is not None else None, reason, stop_reason)
+        if req.index == 0 and first:  # the request's first output carries what the prompt gave
             out.prompt_logprobs, out.num_cached_tokens = req.prompt_logprobs, parent.num_cached_tokens
         if parent.finished:
             out.request_finished = True
@@ -271,4 +309,7 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_requests_added": self.num_requests_added,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }

@@ -154,6 +154,13 @@ class KVCacheManager:
         request.block_ids = []
         request.block_hashes = []
 
+    def free_tail(self, request: Request, num_kept: int) -> None:
+        """Give back the request's blocks after its first `num_kept` (they held rejected draft
+        tokens only, so they were never hashed)."""
+        for b in reversed(request.block_ids[num_kept:]):
+            self.pool.release(b)
+        del request.block_ids[num_kept:]
+
     def fork(self, parent: Request, child: Request, num_computed: int) -> list[tuple[int, int]] | None:
         """Give `child` the parent's blocks as they stand once `num_computed` of its tokens are
         in the cache. Full blocks are shared by reference; a partial last block is copied

@@ -6,7 +6,12 @@ blocks a step filled, forks the prompt's blocks to an n > 1 request's other choi
 a request's blocks when it is preempted or ends. Nothing else changes block ownership.
 
 Its output is plain data (engine/scheduler_output.py): a stream goes to the runner whole once,
-then only what changed; it tracks on each Request what the runner already holds."""
+then only what changed; it tracks on each Request what the runner already holds.
+
+With speculative decoding on, a decoding stream that may speculate (speculates()) gets draft
+tokens (engine/core/ngram_proposer.py) computed in the same step after its last token; only the
+ones the model agrees with count as computed (accept_drafts), and blocks that held nothing but
+rejected drafts go back to the pool."""
 
 from __future__ import annotations
 
@@ -14,12 +19,23 @@ import math
 from collections import deque
 
 from engine.config import EngineConfig
+from engine.core import ngram_proposer
 from engine.core.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 UNLIMITED = 1 << 62  # a prefill limit left unset beside one that is set
+
+
+def speculates(p: SamplingParams) -> bool:
+    """Whether a request's tokens may come from verified drafts: greedy, and nothing that reads
+    the earlier tokens or moves the argmax (the verify step takes the model's raw argmax at each
+    position), nor logprobs (not reported for verified tokens), nor n > 1 or pooling."""
+    return (p.greedy and p.n == 1 and p.pooling is None and p.logprobs is None and p.structured_outputs is None
+            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+                     or p.allowed_token_ids or p.bad_words or p.bad_words_token_ids))
 
 
 class Scheduler:
@@ -50,6 +66,8 @@ class Scheduler:
         self.step_streams: dict[str, Request] = {}
         self.forked: list[Request] = []
         self._finished_ids: list[str] = []  # streams the runner still holds, to name in the next output
+        self.speculative = config.speculative_config  # validated: method ngram, its k and n-gram lengths
+        self.drafts: dict[str, list[int]] = {}  # this step's draft tokens, by stream key
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -79,10 +97,39 @@ class Scheduler:
         """After the forward: the scheduled tokens' K/V are in the cache; hash the blocks they
         filled. Forked choices join the running ones (they decode from the next step)."""
         for req, n in self.scheduled:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(self.drafts.get(req.key, ()))  # drafts count once accepted
             self.kv.cache_full_blocks(req)
         self.running += [c for c in self.forked if c.status == RequestStatus.RUNNING]
         self.scheduled, self.forked = [], []
+
+    def accept_drafts(self, req: Request, num_accepted: int) -> None:
+        """After the core appended a speculating stream's tokens (it did not finish): the first
+        `num_accepted` drafts' K/V stand; blocks that hold only rejected positions are freed
+        (never hashed: cache_full_blocks reads computed tokens only)."""
+        req.num_computed_tokens += num_accepted
+        keep = self.kv.blocks_needed(req.num_computed_tokens)
+        if len(req.block_ids) > keep:
+            self.kv.free_tail(req, keep)
+            req.num_sent_blocks = min(req.num_sent_blocks, keep)
+        self.kv.cache_full_blocks(req)
+
+    def _propose(self, req: Request, budget: int, num_later: int) -> list[int]:
+        """Draft tokens for a decoding stream, as many as the step's budget, the context window,
+        max_tokens and the free blocks allow, keeping one free block for each of the `num_later`
+        running streams scheduled after it (a draft never preempts a request)."""
+        spec, p = self.speculative, req.sampling_params
+        if spec is None or budget < 2 or not req.output_token_ids or len(req.output_token_ids) < p.min_tokens:
+            return []
+        if not speculates(p):
+            return []
+        room = (len(req.block_ids) + self.kv.num_free_blocks - num_later) * self.kv.block_size
+        k = min(spec["num_speculative_tokens"], budget - 1, self.max_model_len - req.num_tokens,
+                room - req.num_tokens)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - len(req.output_token_ids) - 1)  # the model's own token follows the drafts
+        if k < 1:
+            return []
+        return ngram_proposer.propose(req.all_token_ids, k, spec["prompt_lookup_min"], spec["prompt_lookup_max"])
 
     @property
     def num_running_seqs(self) -> int:
@@ -126,13 +173,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self.scheduled, self.step_streams, self.forked = [], {}, []
+        self.scheduled, self.step_streams, self.forked, self.drafts = [], {}, [], {}
         self._prefill_left = (self.prefill_token_budget, self.prefill_attention_budget)
         budget = self.token_budget
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_tokens - req.num_computed_tokens == 1:
+                drafts = self._propose(req, budget, len(self.running) - i - 1)
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                    self.drafts[req.key] = drafts
+                    self.scheduled.append((req, 1 + len(drafts)))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             n = self._prefill_limit(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if n == 0:  # this step's prefill budget is spent: its chunk waits for the next step
                 i += 1
@@ -185,12 +240,14 @@ class Scheduler:
             else:
                 out.cached_reqs.append(CachedRequestData(
                     req.key, req.token_ids_slice(req.num_sent_tokens, req.num_tokens),
-                    req.block_ids[0 if req.resumed else req.num_sent_blocks:], req.num_computed_tokens, req.resumed))
+                    req.block_ids[0 if req.resumed else req.num_sent_blocks:], req.num_computed_tokens, req.resumed,
+                    None if req.resumed else req.num_sent_blocks))
             req.num_sent_tokens, req.num_sent_blocks, req.resumed = req.num_tokens, len(req.block_ids), False
             out.num_scheduled_tokens.append((req.key, n))
             self.step_streams[req.key] = req
             if not req.forked and req.num_computed_tokens + n == req.num_tokens:
                 self._fork(req, req.num_tokens, out)
+        out.draft_token_ids = self.drafts
         if out:  # else nothing runs: the runner hears of the finished streams next time
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
         self.num_scheduled_tokens += out.num_tokens

@@ -111,6 +111,9 @@ class StepBatch:
     num_seqs: int
     width: int  # blocks of the longest sequence: the block table's width on CPU
     sample_streams: list[CachedRequestState]  # one per sample row, in row order
+    # Speculating streams, after the sample rows: (stream, its drafts), each with 1 + len(drafts)
+    # logits rows, in order (the last real token's, then each draft's).
+    verify_streams: list[tuple[CachedRequestState, list[int]]]
     prompt_rows: list  # (state, first prompt token scored, first row, end row)
     pool_chunks: list  # embedding requests: rows to sum (mean)
     pool_ends: list  # embedding requests: the row that finishes one
@@ -340,6 +343,9 @@ class ModelRunner:
                 state.block_ids = list(c.new_block_ids)
                 state.table_blocks = 0  # its block-table row is stale: rewrite it whole
             else:
+                if c.num_kept_blocks is not None and c.num_kept_blocks < len(state.block_ids):
+                    del state.block_ids[c.num_kept_blocks:]  # they held rejected drafts only
+                    state.table_blocks = min(state.table_blocks, c.num_kept_blocks)
                 state.block_ids += c.new_block_ids
             state.num_computed_tokens = c.num_computed_tokens
         for _, child in sched.forks:
@@ -356,6 +362,7 @@ class ModelRunner:
         query_start = [0]
         width = 1
         sample_rows, sample_streams, prompt_rows = [], [], []
+        verify_rows, verify_streams = [], []
         pool_chunks, pool_ends = [], []  # embedding requests: rows to sum (mean), rows that finish one
         children: dict[str, list[CachedRequestState]] = {}
         for parent, child in sched.forks:
@@ -363,7 +370,11 @@ class ModelRunner:
         for req_id, n in sched.num_scheduled_tokens:
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            ids += state.token_ids_slice(start, end)
+            drafts = sched.draft_token_ids.get(req_id)
+            if drafts:
+                ids += state.token_ids_slice(start, end - len(drafts)) + drafts
+            else:
+                ids += state.token_ids_slice(start, end)
             blocks = state.block_ids
             if n == 1:
                 positions.append(start)
@@ -387,7 +398,10 @@ class ModelRunner:
                 if end == state.num_tokens:
                     pool_ends.append((state, query_start[-1] - 1))
                 continue
-            if end == state.num_tokens:
+            if drafts:
+                verify_rows += range(query_start[-2], query_start[-1])
+                verify_streams.append((state, drafts))
+            elif end == state.num_tokens:
                 for s in [state, *children.get(req_id, ())]:  # an n > 1 prompt's choices share its row
                     sample_rows.append(query_start[-1] - 1)
                     sample_streams.append(s)
@@ -400,19 +414,20 @@ class ModelRunner:
         else:
             # Padding rows (the backend's choice; CPU bounds its matmul shapes) belong to no sequence.
             padded_tokens, padded_seqs = self.backend.padded_num_tokens(num_tokens), num_seqs
-        self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows, padded_tokens, padded_seqs)
-        return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, prompt_rows, pool_chunks,
-                         pool_ends, graph_size)
+        self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows + verify_rows,
+                          padded_tokens, padded_seqs)
+        return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, verify_streams, prompt_rows,
+                         pool_chunks, pool_ends, graph_size)
 
     def _forward(self, step: StepBatch) -> tuple:
         """Queue the step on the device: its inputs (one copy), then the graph replay or the eager
         layers, and the LM head on the rows that sample and on the prompt rows that score prompt
         logprobs. Nothing here waits for the device. Returns (hidden, residual, logits of the
-        sample rows, [(stream, first prompt token scored, float32 logits)]); hidden and residual
-        are None after a replay (no step that needs them replays)."""
+        sample rows then the verify rows, [(stream, first prompt token scored, float32 logits)]);
+        hidden and residual are None after a replay (no step that needs them replays)."""
         inputs = self.inputs
         inputs.upload()
-        num_samples = len(step.sample_streams)
+        num_samples = len(step.sample_streams) + sum(1 + len(d) for _, d in step.verify_streams)
         if step.graph_size is not None:
             return None, None, self.graphs.run(step.graph_size)[:num_samples], []
         # CPU reads a table as wide as this step's longest sequence; CUDA the full width, whose
@@ -466,7 +481,9 @@ class ModelRunner:
         """Apply the step's changes, run its forward, sample; then make the forks' block copies
         (they read blocks this forward wrote). None on a rank that does not sample."""
         if self.threads is not None:
-            self.threads.before_step("prefill" if sched.num_tokens > len(sched.num_scheduled_tokens) else "decode")
+            num_drafts = sum(len(d) for d in sched.draft_token_ids.values())  # a verify step is a decode's size
+            self.threads.before_step("prefill" if sched.num_tokens - num_drafts > len(sched.num_scheduled_tokens)
+                                     else "decode")
             started = time.perf_counter()
         self.update_states(sched)
         step = self._prepare_inputs(sched)
@@ -479,8 +496,11 @@ class ModelRunner:
                     self.outputs.prompt_logprobs(out, state, first, rows)
                 except Exception as e:
                     self.outputs.failed(out, state, e)
+            num_sampled = len(step.sample_streams)
             if step.sample_streams:
-                self.outputs.sample(out, logits, step.sample_streams)
+                self.outputs.sample(out, logits[:num_sampled], step.sample_streams)
+            if step.verify_streams:
+                self.outputs.verify(out, logits[num_sampled:], step.verify_streams)
             if step.pool_chunks or step.pool_ends:
                 with forward_context(step.meta, self.backend):  # the final norm runs again
                     self.outputs.pool(out, hidden, residual, step.pool_chunks, step.pool_ends)

@@ -35,7 +35,9 @@ class StepInputs:
         # (flat index into block_table, block id) pairs: a step rewrites at most every entry once.
         max_updates = max_num_seqs * max_blocks_per_seq
         fields = (("query_start_loc", torch.int32, (max_num_seqs + 1,)), ("seq_lens", torch.int32, (max_num_seqs,)),
-                  ("table_rows", torch.int32, (max_num_seqs,)), ("sample_rows", torch.int64, (max_num_seqs,)),
+                  ("table_rows", torch.int32, (max_num_seqs,)),
+                  # a row per sequence, or per token of a speculating one (its verify rows)
+                  ("sample_rows", torch.int64, (max(max_num_seqs, max_num_tokens),)),
                   ("input_ids", torch.int64, (max_num_tokens,)), ("positions", torch.int64, (max_num_tokens,)),
                   ("slot_mapping", torch.int64, (max_num_tokens,)), ("table_updates", torch.int32, (max_updates, 2)))
         offsets, nbytes = {}, 0
@@ -133,7 +135,8 @@ class StepInputs:
         and see one key of block-table row 0; sample rows past the real ones read row 0. None of
         it is ever read back."""
         n, s, k = len(input_ids), len(seq_lens), len(sample_rows)
-        assert num_padded_tokens <= self.max_num_tokens and max(num_padded_seqs, k) <= self.max_num_seqs, (
+        assert num_padded_tokens <= self.max_num_tokens and num_padded_seqs <= self.max_num_seqs and k <= max(
+                self.max_num_seqs, self.max_num_tokens), (
             f"a step of {num_padded_tokens} tokens / {num_padded_seqs} sequences exceeds the runner's buffers "
             f"({self.max_num_tokens} / {self.max_num_seqs}: max_num_batched_tokens / max_num_seqs)")
         a = self._np

@@ -60,6 +60,21 @@ class StepOutputs:
                 continue
             out.sampled.append((state.req_id, token))
 
+    def verify(self, out: ModelRunnerOutput, logits: torch.Tensor,
+               streams: list[tuple[CachedRequestState, list[int]]]) -> None:
+        """Greedy verification, exact: the model's argmax at each of a stream's rows (as the sampler
+        takes it for a greedy row); the drafts it agrees with, in order, are accepted, and the
+        argmax after the last of them is the model's own next token."""
+        targets = self.sampler.argmax(logits).tolist()
+        row = 0
+        for state, drafts in streams:
+            chosen = targets[row:row + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+                accepted += 1
+            out.verified.append((state.req_id, chosen[:accepted + 1]))
+            row += len(drafts) + 1
+
     def _sample_rows(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]):
         """(stream, token) for the streams sampling does not fail."""
         while streams:
