@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.ngram_proposer import propose
 from tests.engine.hf_oracle import hf_greedy
+from tests.server.server_harness import API_KEY, ServerProcess
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # Tiny random models copy little, but a prompt of one or two repeated tokens sends them into short
@@ -214,3 +215,33 @@ def test_the_flag_takes_vllms_json_and_says_a_bad_one_in_one_line():
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["engine generate: error: speculative_config: draft-model speculation (eagle3) "
                                         "is not supported yet: use {\"method\": \"ngram\"} (prompt lookup)"]
+
+
+@pytest.mark.slow
+def test_a_server_streams_verified_tokens_and_exports_the_counters(tiny_models, tmp_path):
+    import json
+
+    import openai
+
+    from transformers import AutoTokenizer
+
+    from tests.server.server_harness import get_metrics, metric
+
+    path = tiny_models("llama")
+    prompt = [100] * 20
+    text = AutoTokenizer.from_pretrained(path).decode(hf_greedy(path, prompt, 30))
+    server = ServerProcess(["--model", path, "--num-kv-blocks", "128", "--num-threads", "1", "--api-key", API_KEY,
+                            "--speculative-config", json.dumps(SPEC)], str(tmp_path / "server.log"))
+    try:
+        with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60) as client:
+            body = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=30, temperature=0,
+                        extra_body={"ignore_eos": True})
+            whole = client.completions.create(**body).choices[0].text
+            deltas = [c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices]
+        counters = get_metrics(server)
+    finally:
+        server.stop()
+    assert whole == "".join(deltas) == text
+    assert len(deltas) < 30  # verified tokens come several to a delta
+    accepted = metric(counters, "pagewise:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted < metric(counters, "pagewise:spec_decode_num_draft_tokens_total")
