@@ -109,7 +109,8 @@ class Backend:
 
     name: str
     write_kv: Callable  # (key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None
-    # (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None, k_scale=1.0, v_scale=1.0)
+    # (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None, k_scale=1.0, v_scale=1.0,
+    #  sliding_window=None, logits_soft_cap=None, sinks=None)
     paged_attention: Callable
     plan_attention: Callable  # (block_tables, query_start_loc, seq_lens, block_size) -> plan or None
     allocate_kv_cache: Callable  # (num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> (k, v)
@@ -189,9 +190,10 @@ def _triton_backend() -> Backend:
     from kernels import triton_ops as t
 
     def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None,
-                        k_scale=1.0, v_scale=1.0):
+                        k_scale=1.0, v_scale=1.0, sliding_window=None, logits_soft_cap=None, sinks=None):
         return t.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap, sinks=sinks)
 
     def plan_attention(block_tables, query_start_loc, seq_lens, block_size):
         return None  # the kernels read the block tables themselves
@@ -234,12 +236,18 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch",
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    backend: str = "torch", plan=None, k_scale: float = 1.0, v_scale: float = 1.0):
+                    backend: str = "torch", plan=None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None, sinks=None):
     """Causal attention of each sequence's new queries over its cached keys and values.
     `plan`: plan_attention's per-step batch layout, shared by all layers (ignored where it is None).
-    An fp8 cache is read as e4m3 * k_scale / v_scale, converted inside the kernel."""
+    An fp8 cache is read as e4m3 * k_scale / v_scale, converted inside the kernel.
+    sliding_window: a query at position p sees keys at positions > p - window; logits_soft_cap:
+    scores become cap * tanh(score / cap); sinks: [num_heads] float32 logits, one per query head,
+    that join each row's softmax denominator (kernels/reference.py defines all three)."""
     return get_backend(backend).paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                                scale, plan=plan, k_scale=k_scale, v_scale=v_scale)
+                                                scale, plan=plan, k_scale=k_scale, v_scale=v_scale,
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                                sinks=sinks)
 
 
 def plan_attention(block_tables, query_start_loc, seq_lens, block_size: int, backend: str = "torch"):

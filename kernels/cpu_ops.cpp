@@ -534,6 +534,14 @@ inline void weighted_values_any(const float* p, int64_t stride, const T* vc, con
 // keys a row is one chunk, computed as without the split.
 constexpr int64_t kChunkKeys = 128;
 
+// The optional attention features (kernels/reference.py defines them); zero / null = off, and an
+// off feature costs one branch per score row, none per key.
+struct AttentionFeatures {
+  int64_t window = 0;            // sliding window: a row at position p sees keys > p - window
+  float soft_cap = 0.f;          // scores become soft_cap * tanh(score / soft_cap)
+  const float* sinks = nullptr;  // [heads]: one logit per query head in each row's softmax denominator
+};
+
 // One work item: query row r's KV head h over blocks [j0, j1) of its table. part < 0: the row's
 // whole context (normalized here, written to out); else the index of its partial sums.
 struct AttentionItem {
@@ -541,7 +549,9 @@ struct AttentionItem {
 };
 
 // Every query row attends to the first `len` keys of its sequence: a decode row to the whole
-// context, a prefill row causally (len = its position + 1). Work item = (query row, KV head, chunk
+// context, a prefill row causally (len = its position + 1); with a window, only to its last
+// `window` of them, and its work items start at the block holding the first of those (blocks
+// wholly before it are neither read nor checked, so a windowed row costs its window, not its context). Work item = (query row, KV head, chunk
 // of the context): its `group` query heads share every key and value load (in chunks of up to 4
 // heads, whose accumulators stay in registers). The softmax is exact (max, then exp and sum over a
 // float score row; a split context's chunks are merged by their maxima and sums); slots past `len`
@@ -553,7 +563,7 @@ template <typename T, typename C>
 void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const int64_t* tables,
                          const int64_t* row_seq, const int64_t* lens, int64_t num_rows, int64_t num_seqs, int64_t heads,
                          int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t bs, int64_t table_width, float scale,
-                         float v_scale, int64_t q_stride, int64_t out_stride) {
+                         float v_scale, int64_t q_stride, int64_t out_stride, const AttentionFeatures& features) {
   const int64_t group = heads / kv_heads;
   const int64_t part_size = group * (dim + 2);  // a partial: acc [group, dim], then max and sum [group]
   std::vector<AttentionItem> items;
@@ -562,16 +572,18 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
   const bool split = num_rows * kv_heads < 2 * loop_threads();
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t s = row_seq[r], len = lens[r], n_blocks = (len + bs - 1) / bs;
+    const int64_t j_lo = features.window > 0 ? std::max<int64_t>(0, len - features.window) / bs : 0;
     // A bad batch is a caller's bug: refuse it before reading anything.
     bool ok = s >= 0 && s < num_seqs && len >= 1 && n_blocks <= table_width;
-    for (int64_t j = 0; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
+    for (int64_t j = j_lo; ok && j < n_blocks; ++j) ok = tables[s * table_width + j] >= 0 && tables[s * table_width + j] < num_blocks;
     TORCH_CHECK(ok, "paged_attention: a row's sequence has no block table, its key count is < 1 or beyond its table, or a block id is outside the cache");
-    const int64_t wanted = split ? std::min(n_blocks, (len + kChunkKeys - 1) / kChunkKeys) : 1;
-    const int64_t per_chunk = (n_blocks + wanted - 1) / wanted;
-    const int64_t chunks = (n_blocks + per_chunk - 1) / per_chunk;  // whole blocks each: may be fewer
+    const int64_t seen_blocks = n_blocks - j_lo, seen_keys = len - j_lo * bs;
+    const int64_t wanted = split ? std::min(seen_blocks, (seen_keys + kChunkKeys - 1) / kChunkKeys) : 1;
+    const int64_t per_chunk = (seen_blocks + wanted - 1) / wanted;
+    const int64_t chunks = (seen_blocks + per_chunk - 1) / per_chunk;  // whole blocks each: may be fewer
     for (int64_t h = 0; h < kv_heads; ++h) {
       if (chunks > 1) splits.emplace_back(static_cast<int64_t>(items.size()), chunks);
-      for (int64_t j0 = 0; j0 < n_blocks; j0 += per_chunk)
+      for (int64_t j0 = j_lo; j0 < n_blocks; j0 += per_chunk)
         items.push_back({r, h, j0, std::min(n_blocks, j0 + per_chunk), chunks > 1 ? parts++ : -1});
     }
   }
@@ -582,6 +594,8 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
       const AttentionItem& it = items[i];
       const int64_t len = lens[it.r];
       const int64_t keys = std::min(it.j1 * bs, len) - it.j0 * bs, n_blocks = it.j1 - it.j0;
+      // Keys of this item before the window's first (only in the item that holds that first key).
+      const int64_t hidden = features.window > 0 ? std::max<int64_t>(0, len - features.window - it.j0 * bs) : 0;
       const int64_t stride = (n_blocks * bs + kF - 1) / kF * kF;  // a score row, whole vectors
       const int64_t* table = tables + row_seq[it.r] * table_width + it.j0;
       const T* qrow = query + it.r * q_stride + it.h * group * dim;
@@ -612,10 +626,18 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
       const fVec neg_inf(-std::numeric_limits<float>::infinity());
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * stride;
+        if (features.soft_cap > 0.f) {
+          const fVec cap(features.soft_cap), inv_cap(1.f / features.soft_cap);
+          for (int64_t k = 0; k < keys; k += kF) (((fVec::loadu(sc + k) * inv_cap).tanh()) * cap).store(sc + k);
+        }
+        std::fill(sc, sc + hidden, -std::numeric_limits<float>::infinity());
         std::fill(sc + keys, sc + stride, -std::numeric_limits<float>::infinity());
         fVec mx = neg_inf;
         for (int64_t k = 0; k < stride; k += kF) mx = at::vec::maximum(mx, fVec::loadu(sc + k));
-        const float top = mx.reduce_max();
+        float top = mx.reduce_max();
+        // A sink joins a whole row's softmax: here when the row is one item, in the merge when split.
+        const float sink = features.sinks && !part ? features.sinks[it.h * group + g] : 0.f;
+        if (features.sinks && !part) top = std::max(top, sink);
         fVec total(0.f);
         for (int64_t k = 0; k < stride; k += kF) {
           fVec e = exp_for<T>(fVec::loadu(sc + k) - fVec(top));
@@ -627,7 +649,8 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
           part[group * dim + group + g] = total.reduce_add();
           continue;
         }
-        const fVec inv(1.f / total.reduce_add());
+        const float sink_weight = features.sinks ? std::exp(sink - top) : 0.f;
+        const fVec inv(1.f / (total.reduce_add() + sink_weight));
         for (int64_t k = 0; k < stride; k += kF) (fVec::loadu(sc + k) * inv).store(sc + k);
       }
       float* a = part ? part : acc.data();
@@ -661,6 +684,11 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
       for (int64_t g = 0; g < group; ++g) {
         float top = -std::numeric_limits<float>::infinity(), total = 0.f;
         for (int64_t c = 0; c < chunks; ++c) top = std::max(top, p0[c * part_size + group * dim + g]);
+        if (features.sinks) {  // the sink: one more term of the denominator, with no value
+          const float sink = features.sinks[it.h * group + g];
+          top = std::max(top, sink);
+          total = std::exp(sink - top);
+        }
         std::fill(sum.begin(), sum.end(), 0.f);
         for (int64_t c = 0; c < chunks; ++c) {
           const float* pc = p0 + c * part_size;
@@ -683,9 +711,11 @@ void attention_rows_impl(T* out, const T* query, const C* kc, const C* vc, const
 
 // query/out [rows, heads, head_dim]; row r reads block_tables[row_seq[r]] up to lens[r] keys.
 // An fp8 (e4m3) cache is read as e4m3 * k_scale / v_scale; other caches have the query's dtype.
+// window 0 / soft_cap 0 / no sinks: those features off (AttentionFeatures).
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor row_seq, at::Tensor lens, double scale,
-                     double k_scale, double v_scale) {
+                     double k_scale, double v_scale, int64_t window, double soft_cap,
+                     c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be the physical tensors");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
               out.stride(1) == out.size(2), "paged_attention: query/out heads must be contiguous rows");
@@ -702,6 +732,13 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   int64_t heads = query.size(1), rows = lens.numel();
   TORCH_CHECK(heads % kv_heads == 0 && query.size(2) == dim, "paged_attention: query heads do not match the cache");
   TORCH_CHECK(row_seq.numel() == rows && rows <= query.size(0) && rows <= out.size(0), "paged_attention: one sequence and length per query row");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "paged_attention: sliding window and soft cap must be positive (0 = off)");
+  AttentionFeatures features{window, static_cast<float>(soft_cap), nullptr};
+  if (sinks) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == heads,
+                "paged_attention: sinks must be contiguous float32, one per query head");
+    features.sinks = sinks->data_ptr<float>();
+  }
   PW_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto cache_elem) {
       using C = decltype(cache_elem);
@@ -711,7 +748,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
                                        v_cache.data_ptr<C>(), block_tables.data_ptr<int64_t>(),
                                        row_seq.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows,
                                        block_tables.size(0), heads, kv_heads, dim, num_blocks, bs, block_tables.size(1),
-                                       static_cast<float>(scale) * k, v, query.stride(0), out.stride(0));
+                                       static_cast<float>(scale) * k, v, query.stride(0), out.stride(0), features);
     };
     if (fp8_cache) {
       run(fp8());
@@ -1426,7 +1463,8 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
              v_scale);
     auto q = qk.narrow(1, 0, num_heads);
     auto o = at::empty(q.sizes(), q.options());
-    paged_attention(o, q, caches[2 * l], caches[2 * l + 1], block_tables, row_seq, lens, scale, k_scale, v_scale);
+    paged_attention(o, q, caches[2 * l], caches[2 * l + 1], block_tables, row_seq, lens, scale, k_scale, v_scale, 0,
+                    0.0, c10::nullopt);
     if (rows < tokens) o.narrow(0, rows, tokens - rows).zero_();
     const at::Tensor none;
     auto attn = layer_linear(linear, o.view({tokens, num_heads * head_dim}), w[2], f[1], none);
@@ -1482,7 +1520,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "set the tokens a grammar's bitmask forbids to -inf, in place");
   m.def("plan_rows", &plan_rows, "a step's attention rows: int64 block tables, each row's sequence and key count");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (NaN first), as torch.max(dim).indices");
-  m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys");
+  m.def("paged_attention", &paged_attention, "paged attention, each query row over its first lens[r] keys",
+        pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("row_seq"), pybind11::arg("lens"), pybind11::arg("scale"),
+        pybind11::arg("k_scale"), pybind11::arg("v_scale"), pybind11::arg("window") = 0,
+        pybind11::arg("soft_cap") = 0.0, pybind11::arg("sinks").none(true) = pybind11::none());
   m.def("padded_rows", &padded_rows, "the rows an expert's segment of n tokens is padded to");
   m.def("moe_brgemm_available", &moe_brgemm_available, "whether pack_moe_brgemm's layout runs on this CPU (AMX)");
   m.def("pack_moe_brgemm", &pack_moe_brgemm, "bf16 expert weights in VNNI tiles for the brgemm microkernel");

@@ -69,17 +69,27 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    plan: RowPlan | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Rows of `query` past the step's last sequence are padding (padded_num_tokens): zeros out."""
+                    plan: RowPlan | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `query` past the step's last sequence are padding (padded_num_tokens): zeros out.
+    A sliding window skips the blocks wholly before it (they are neither read nor checked)."""
     k, v = _physical(k_cache, v_cache)
     plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     rows = plan.row_seq.numel()
     if query.dtype != k.dtype and not reference.is_fp8(k.dtype) and not narrow_cache(query.dtype, k.dtype):
         # Other mixed dtypes (a float32 cache under a 16-bit model): the reference converts.
-        out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        out = reference.paged_attention(query[:rows], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
         return torch.cat([out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])]) if rows < query.shape[0] else out
+    for name, value in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)):
+        if value is not None and value <= 0:
+            raise ValueError(f"paged_attention: {name} must be positive, not {value!r} (None turns it off)")
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale, k_scale, v_scale)
+    load().paged_attention(out, query, k, v, plan.block_tables, plan.row_seq, plan.lens, scale, k_scale, v_scale,
+                           sliding_window or 0, logits_soft_cap or 0.0, sinks)
     if rows < out.shape[0]:
         out[rows:].zero_()
     return out

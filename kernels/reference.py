@@ -16,6 +16,12 @@ uses); attention reads e4m3 * scale. Other cache dtypes ignore the scales.
 The new queries of a sequence are its last q_len positions: query row j of sequence i sits at
 position seq_lens[i] - q_len + j and attends causally to keys 0..that position. A decode step
 (q_len = 1), a prefill chunk that continues a cached prefix and a whole prompt are one op.
+
+Three optional features, off by default (transformers' conventions):
+  sliding_window   a query at position p sees only keys at positions > p - window (window keys, itself included)
+  logits_soft_cap  each scaled score s becomes cap * tanh(s / cap) before the softmax (Gemma 2)
+  sinks            [num_heads] float: one logit per query head that joins its row's softmax
+                   denominator as a key with no value (gpt-oss): out = sum_j e^s_j v_j / (e^sink + sum_j e^s_j)
 """
 
 from __future__ import annotations
@@ -123,10 +129,12 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.T
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, plan: AttentionPlan | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys and values.
     `plan` (from plan_attention) may be shared by all layers of a step; it is built if absent.
-    k_scale / v_scale: an fp8 cache's scales (dequantize_kv); ignored for other caches."""
+    k_scale / v_scale: an fp8 cache's scales (dequantize_kv); ignored for other caches.
+    sliding_window / logits_soft_cap / sinks: the module docstring's optional features."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -144,13 +152,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q = (q.view(s, num_kv_heads, group, head_dim) * scale).transpose(0, 1).contiguous()  # [Hkv, S, G, D]
         # Slots past a sequence's length hold another request's data (or a padding block's).
         # A fill, not an additive mask, so a NaN key there scores -inf all the same.
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().masked_fill_(plan.decode_invalid, float("-inf"))
-        probs = scores.softmax(dim=-1).to(query.dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float()
+        invalid = plan.decode_invalid
+        if sliding_window is not None:  # keys at or below position len - 1 - window are out of sight
+            first = plan.decode_valid.sum(dim=-1, keepdim=True) - sliding_window  # [S, 1, 1]
+            invalid = invalid | (torch.arange(plan.decode_len, device=k.device) < first)
+        if logits_soft_cap is not None:
+            scores = _soft_cap(scores, logits_soft_cap)
+        scores = scores.masked_fill_(invalid, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1).to(query.dtype)
+        else:
+            sink = sinks.float().view(1, num_kv_heads, group, 1).transpose(0, 1).expand(-1, s, -1, -1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1].to(query.dtype)
         o = torch.matmul(probs, v)  # [Hkv, S, G, D]
         if not bool(torch.isfinite(o.sum())):
             # A zero probability times a NaN value is NaN: zero the values outside each sequence
             # and redo. Checked by one reduction of the small output; the common case pays nothing.
-            o = torch.matmul(probs, v.masked_fill(plan.decode_invalid.transpose(1, 2), 0))
+            o = torch.matmul(probs, v.masked_fill(invalid.transpose(1, 2), 0))
         o = o.transpose(0, 1).reshape(s, num_heads, head_dim)
         if plan.all_decode:
             return o
@@ -163,14 +182,42 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = dequantize_kv(_gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, k_scale)
         v = dequantize_kv(_gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, v_scale)
         q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if q_len == seq_len:
+        if q_len == seq_len and sliding_window is None and logits_soft_cap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            keys = torch.arange(seq_len, device=query.device)[None, :]
+            mask = keys <= pos[:, None]
+            if sliding_window is not None:
+                mask &= keys > pos[:, None] - sliding_window
+            if logits_soft_cap is None and sinks is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            else:
+                o = _attention_with_cap_and_sinks(q, k, v, mask, scale, logits_soft_cap, sinks)
         out[first:last] = o[0].transpose(0, 1)
     return out
+
+
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(scores / cap) * cap
+
+
+def _attention_with_cap_and_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                                  scale: float, soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [1, H, Q, D], k / v [1, Hkv, L, D], mask [Q, L]: the softmax written out, as SDPA has no
+    soft-capping or sink column."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+    if soft_cap is not None:
+        scores = _soft_cap(scores, soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(1, -1, scores.shape[2], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -15,6 +15,12 @@ its normalised partial output plus log-sum-exp; split_reduce_kernel merges the s
 
 An fp8 (e4m3) cache is loaded as fp8 and upcast tile by tile (exact in 16 bits); its per-tensor
 scales factor out of the sums: k_scale is folded into qk_scale, v_scale multiplies the output once.
+
+The optional features (kernels/reference.py) are constexpr flags, so a launch without them compiles
+to the kernel it was before. WINDOW: a program starts at the tile holding its first row's oldest
+visible key and masks only the tiles the window's edge crosses; SOFT_CAP: scores become
+cap * tanh(score / cap) (in the base-2 domain: cap * log2(e) is the cap there); SINKS: each head's
+sink logit joins the denominator once, after the keys (or in the reduce when split).
 """
 
 from __future__ import annotations
@@ -39,18 +45,25 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): saturates to +-1 without overflow (e^2x = inf or 0); triton has no tanh.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
                  stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk, stride_v_slot, stride_v_head,
-                 qk_scale, dims, dim_valid,
+                 qk_scale, dims, dim_valid, window, soft_cap,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax state of every row.
 
     Both matmuls run in the query's dtype: a cache of another dtype (kv_cache_dtype) is converted
     tile by tile as it is loaded, as the reference converts it (a no-op when they match).
 
     MASK=False is the fast path for tiles that lie entirely below every row's causal diagonal and
-    inside the key range; MASK=True also hides keys past `hi` and keys after each row's position.
+    inside the key range (and window); MASK=True also hides keys past `hi`, keys after each row's
+    position and, with WINDOW, keys at or before its position - window.
     """
     keys = start + tl.arange(0, BLOCK_N)
     if MASK:
@@ -68,8 +81,13 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
     k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_blk + slots[:, None] * stride_k_slot
                 + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
     if MASK:
-        s = tl.where(kv_valid[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
+        visible = kv_valid[None, :] & (keys[None, :] <= pos[:, None])
+        if WINDOW:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -92,14 +110,14 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def paged_attention_kernel(
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr,
-        qk_scale, num_seqs,
+        part_out_ptr, part_lse_ptr, sinks_ptr,
+        qk_scale, num_seqs, window, soft_cap,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk, stride_v_slot, stride_v_head,
         stride_bt_seq, v_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,32 +150,53 @@ def paged_attention_kernel(
     # are visible to every row, so whole tiles there skip the causal mask.
     first_pos = prefix_len + q_block * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    lo = 0
+    # With a window, keys before the tile holding the first row's oldest visible key are skipped.
+    base = 0
+    if WINDOW:
+        base = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    lo = base
     hi = kv_end
     if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-        lo = split * tiles_per_split * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - base, BLOCK_N), NUM_SPLITS)
+        lo = base + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(kv_end, lo + tiles_per_split * BLOCK_N)
     unmasked_limit = tl.maximum(tl.minimum(hi, first_pos + 1), lo)
     unmasked_end = lo + (unmasked_limit - lo) // BLOCK_N * BLOCK_N
+    # Tiles before window_end may hold keys some row's window has left: they take the mask too.
+    window_end = lo
+    if WINDOW:
+        window_end = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(kv_end - window - lo, 0), BLOCK_N) * BLOCK_N, hi),
+                                lo)
 
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(lo, unmasked_end, BLOCK_N):
+    if WINDOW:
+        for start in range(lo, window_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
+                                         kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
+                                         stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
+                                         BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
+    for start in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
                                      kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
-                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid,
-                                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-    for start in range(unmasked_end, hi, BLOCK_N):
+                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
+                                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOW, SOFT_CAP)
+    for start in range(tl.maximum(window_end, unmasked_end), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
                                      kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
-                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid,
-                                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
+                                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink's term joins the denominator; it adds nothing to acc
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634  # log2(e)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
         out = acc / l_i[:, None] * v_scale  # every valid row saw at least its own key, so l_i > 0
         tl.store(out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -174,11 +213,12 @@ def paged_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
-def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs, num_heads,
+def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, query_start_loc_ptr, num_seqs, num_heads,
                         stride_o_tok, stride_o_head,
                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """out[tok, head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse), for BLOCK_H heads."""
+                        BLOCK_H: tl.constexpr, SINKS: tl.constexpr):
+    """out[tok, head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse), for BLOCK_H heads.
+    With SINKS, the head's sink is one more weight in the denominator, with no part."""
     tok = tl.program_id(0)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
         return  # a padding row past the last sequence: the attention kernel wrote no parts for it
@@ -187,11 +227,18 @@ def split_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr
     part = (tok.to(tl.int64) * num_heads + heads[:, None]) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)[None, :]
     lse = tl.load(part_lse_ptr + part, mask=head_valid[:, None], other=0.0)  # [BLOCK_H, NUM_SPLITS]
     # The max is finite: the split holding a row's own key is never empty. Empty splits weigh 0.
-    weight = tl.exp2(lse - tl.max(lse, 1)[:, None])
+    top = tl.max(lse, 1)
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0) * 1.4426950408889634  # log2(e)
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top[:, None])
+    total = tl.sum(weight, 1)
+    if SINKS:
+        total += tl.exp2(sink - top)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     parts = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM_PAD + dims[None, None, :],
                     mask=head_valid[:, None, None] & dim_valid[None, None, :], other=0.0)
-    out = tl.sum(parts * weight[:, :, None], 1) / tl.sum(weight, 1)[:, None]  # [BLOCK_H, HEAD_DIM_PAD]
+    out = tl.sum(parts * weight[:, :, None], 1) / total[:, None]  # [BLOCK_H, HEAD_DIM_PAD]
     tl.store(out_ptr + tok.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & dim_valid[None, :])

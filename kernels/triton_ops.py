@@ -75,7 +75,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_seqs: int, *,
-                num_splits: int | None = None, config: TileConfig | None = None) -> tuple[TileConfig, int]:
+                num_splits: int | None = None, config: TileConfig | None = None,
+                sliding_window: int | None = None) -> tuple[TileConfig, int]:
     """The tile shape and split count paged_attention uses for these tensors (None = heuristic)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -86,17 +87,23 @@ def launch_plan(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.
         # block_tables is at least as wide as the longest sequence's blocks: a context bound that
         # needs no sync. A table padded far wider only makes splitting likelier (empty splits exit).
         busy = max(num_seqs, -(-num_tokens // max(cfg.block_m // group, 1))) * num_kv_heads
-        num_splits = num_kv_splits(busy, block_tables.shape[1] * block_size, _num_sms(query.device))
+        context = block_tables.shape[1] * block_size
+        if sliding_window is not None:  # a program reads its tile's window, not the whole context
+            context = min(context, sliding_window + cfg.block_m // max(group, 1) + cfg.block_n)
+        num_splits = num_kv_splits(busy, context, _num_sms(query.device))
     return cfg, num_splits
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-                    config: TileConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    config: TileConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.reference.paged_attention on Triton. `out`, `num_splits` and `config` override what
     the heuristics choose (tests use them to poison the output and force every path). k_scale /
-    v_scale: an fp8 cache's scales, ignored for other caches."""
+    v_scale: an fp8 cache's scales, ignored for other caches. sliding_window / logits_soft_cap /
+    sinks: the reference's optional features, each compiled in only when given."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -110,7 +117,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_scale = v_scale = 1.0
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    cfg, num_splits = launch_plan(query, k_cache, block_tables, num_seqs, num_splits=num_splits, config=config)
+    for name, value in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)):
+        if value is not None and value <= 0:
+            raise ValueError(f"paged_attention: {name} must be positive, not {value!r} (None turns it off)")
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), "sinks: one logit per query head"
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    cfg, num_splits = launch_plan(query, k_cache, block_tables, num_seqs, num_splits=num_splits, config=config,
+                                  sliding_window=sliding_window)
     block_q = cfg.block_m // group
     assert block_q >= 1, "a tile must hold at least one token's whole head group"
     if out is None:
@@ -129,7 +143,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        scale * k_scale * math.log2(math.e), num_seqs,
+        out if sinks is None else sinks,  # any pointer will do when SINKS is off
+        scale * k_scale * math.log2(math.e), num_seqs, sliding_window or 0,
+        (logits_soft_cap or 0.0) * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), float(v_scale),
@@ -137,13 +153,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         # float32 is for tests: keep it exact instead of TF32 on tensor cores.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        WINDOW=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         # Several heads per program: one head's parts (num_splits x head_dim) are too small a job.
         block_h = min(next_power_of_2(num_heads), max(1, REDUCE_TILE_ELEMENTS // (num_splits * head_dim_pad)))
         split_reduce_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-            out, part_out, part_lse, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, BLOCK_H=block_h, num_warps=4)
+            out, part_out, part_lse, out if sinks is None else sinks, query_start_loc, num_seqs, num_heads,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            BLOCK_H=block_h, SINKS=sinks is not None, num_warps=4)
     return out
 
 
