@@ -159,7 +159,10 @@ class ModelRunner:
             self.max_model_len = window
         with torch.device(self.device), _default_dtype(self.dtype):
             # A pipeline stage builds (and loads) only its own layers; one process builds all.
-            self.model = model_class(hf.model_type)(hf, max_positions=model_len, layer_range=pp_state().layer_range)
+            # The rotary table serves max_model_len: a length-dependent rope scaling (longrope, dynamic) is fixed
+            # by it, as vLLM fixes it (--max-model-len within the original length: LongRoPE's short factors).
+            self.model = model_class(hf.model_type)(hf, max_positions=self.max_model_len,
+                                                    layer_range=pp_state().layer_range)
         load_weights(self.model, checkpoint_tensors(
             source, keeps_bf16(config.cpu_bf16_weights, self.backend.name, self.dtype)))
         pack_weights(self.model, self.backend.pack_linear_weight,

@@ -99,6 +99,17 @@ def test_longrope_short_factors_within_the_original_length(phi3_models):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
 
 
+def test_max_model_len_within_the_original_length_takes_the_short_factors(phi3_models):
+    """A long-context model served with --max-model-len within its original length: the table (sized by
+    max_model_len, as vLLM sizes it) takes the short factors, which transformers uses for such sequences."""
+    path = phi3_models("phi4-mini-long")
+    llm = LLM(path, device="cpu", num_kv_blocks=16, block_size=16, max_model_len=ORIGINAL, seed=0)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in (3, 24)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
+
+
 def test_fused_tensors_split_into_rows_of_each_part_in_rotary_order():
     """q, k and v rows of a fused qkv_proj (float and quantized blocks alike) go to their parts; under partial
     rotary each head's q/k rows are reordered so the kernels' pairs (i, i + 8) are transformers' (i, i + 4)."""
