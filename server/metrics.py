@@ -40,6 +40,7 @@ COUNTERS = {
     "num_preemptions": ("pagewise:num_preemptions", "Requests preempted (blocks ran out; recomputed later)."),
     "num_requests_rejected": ("pagewise:requests_rejected", "Requests refused by admission control (HTTP 503)."),
     "num_requests_routed": ("pagewise:requests_routed", "Requests routed to each data-parallel replica."),
+    "num_drafts": ("pagewise:spec_decode_num_drafts", "Speculative draft runs verified (a stream's drafts of a step)."),
     "num_draft_tokens": ("pagewise:spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
     "num_accepted_tokens": ("pagewise:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
 }

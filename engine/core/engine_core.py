@@ -62,8 +62,11 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_requests_added = 0  # add_request calls, refused ones too: a front matches its sends to them
-        # Speculative decoding: drafts verified, accepted, and accepted at each draft position.
+        # Speculative decoding: draft runs (a stream's drafts of one step) and draft tokens verified,
+        # tokens accepted, and accepted at each draft position; mean accepted length is
+        # 1 + num_accepted_tokens / num_drafts (vLLM's).
         k = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
@@ -193,6 +196,7 @@ class EngineCore:
         return outputs + self._take_pending()
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
@@ -309,6 +313,7 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_requests_added": self.num_requests_added,
+            "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),

@@ -63,6 +63,7 @@ def test_greedy_tokens_equal_transformers_and_no_speculation_with_drafts_accepte
     assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] > stats["num_accepted_tokens"]
     assert stats["num_chunked_prefills"] > 0
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+    assert stats["num_drafts"] >= stats["num_accepted_tokens_per_pos"][0] > 0
     assert stats["num_used_blocks"] == 0
     plain = _llm(path, spec=None, max_num_batched_tokens=16)
     try:
@@ -245,3 +246,4 @@ def test_a_server_streams_verified_tokens_and_exports_the_counters(tiny_models, 
     assert len(deltas) < 30  # verified tokens come several to a delta
     accepted = metric(counters, "pagewise:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted < metric(counters, "pagewise:spec_decode_num_draft_tokens_total")
+    assert metric(counters, "pagewise:spec_decode_num_drafts_total") > 0
