@@ -2,9 +2,11 @@
 
 The longest n in [min_n, max_n] whose last n tokens occur earlier in the sequence (prompt and
 output) picks the match; the up to k tokens that followed its most recent earlier occurrence are
-the draft. Copy-heavy work (a passage rewritten, code edited, an answer quoting its context)
-repeats long runs, so the model often agrees with them; where nothing repeats there is no draft
-and the step is a plain decode.
+the draft. Where the occurrence ends within k tokens of the sequence's end, the text from it on
+repeats with that period, and the draft goes on repeating it (a loop the output fell into is
+drafted k tokens deep, not one period). Copy-heavy work (a passage rewritten, code edited, an
+answer quoting its context) repeats long runs, so the model often agrees with them; where
+nothing repeats there is no draft and the step is a plain decode.
 """
 
 from __future__ import annotations
@@ -39,4 +41,8 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
             best = int(alive[-1])  # the most recent occurrence of the longest match so far
     if best is None:
         return []
-    return seq[best + 1:best + 1 + k].tolist()
+    draft = seq[best + 1:best + 1 + k].tolist()
+    period = length - 1 - best
+    while len(draft) < k:
+        draft.append(draft[len(draft) - period])
+    return draft

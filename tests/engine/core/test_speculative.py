@@ -41,11 +41,13 @@ def _greedy(llm: LLM, prompts, max_tokens: int, **params) -> list[list[int]]:
 
 def test_prompt_lookup_proposes_what_followed_the_most_recent_longest_match():
     # [2, 3] (the longest suffix of length <= 3 found earlier) last occurred at 4..5, followed by 9, 2, 3.
-    assert propose([1, 2, 3, 4, 2, 3, 9, 2, 3], k=4, min_n=1, max_n=3) == [9, 2, 3]
+    assert propose([1, 2, 3, 4, 2, 3, 9, 2, 3], k=3, min_n=1, max_n=3) == [9, 2, 3]
     assert propose([1, 2, 3, 4, 2, 3], k=2, min_n=2, max_n=3) == [4, 2]
     assert propose([1, 2, 3, 4], k=4, min_n=1, max_n=3) == []  # 4 never occurred before
     assert propose([5, 1, 2, 6, 2], k=3, min_n=2, max_n=3) == []  # only a 1-gram recurs
-    assert propose([9, 9, 9], k=5, min_n=1, max_n=2) == [9]  # the occurrence may overlap the suffix
+    # An occurrence that ends near the end (it may overlap the suffix): its period repeats.
+    assert propose([9, 9, 9], k=5, min_n=1, max_n=2) == [9, 9, 9, 9, 9]
+    assert propose([4, 1, 2, 3, 1, 2, 3], k=5, min_n=1, max_n=3) == [1, 2, 3, 1, 2]
 
 
 @pytest.mark.slow
@@ -245,5 +247,5 @@ def test_a_server_streams_verified_tokens_and_exports_the_counters(tiny_models, 
     assert whole == "".join(deltas) == text
     assert len(deltas) < 30  # verified tokens come several to a delta
     accepted = metric(counters, "pagewise:spec_decode_num_accepted_tokens_total")
-    assert 0 < accepted < metric(counters, "pagewise:spec_decode_num_draft_tokens_total")
+    assert 0 < accepted <= metric(counters, "pagewise:spec_decode_num_draft_tokens_total")
     assert metric(counters, "pagewise:spec_decode_num_drafts_total") > 0
