@@ -18,7 +18,8 @@ position seq_lens[i] - q_len + j and attends causally to keys 0..that position. 
 (q_len = 1), a prefill chunk that continues a cached prefix and a whole prompt are one op.
 
 Three optional features, off by default (transformers' conventions):
-  sliding_window   a query at position p sees only keys at positions > p - window (window keys, itself included)
+  sliding_window   a query at position p sees only keys at positions > p - window (window keys, itself
+                   included); a prefill chunk reads only the blocks from the one its first row's window starts in
   logits_soft_cap  each scaled score s becomes cap * tanh(s / cap) before the softmax (Gemma 2)
   sinks            [num_heads] float: one logit per query head that joins its row's softmax
                    denominator as a key with no value (gpt-oss): out = sum_j e^s_j v_j / (e^sink + sum_j e^s_j)
@@ -179,14 +180,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gqa = group != 1
     for first, last, seq_len, blocks in plan.prefills:
         q_len = last - first
-        k = dequantize_kv(_gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, k_scale)
-        v = dequantize_kv(_gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len], query.dtype, v_scale)
+        start = 0  # with a window, the first block that any row of the chunk sees
+        if sliding_window is not None:
+            block_size = k_cache.shape[1]
+            start = max(0, seq_len - q_len - sliding_window + 1) // block_size * block_size
+            blocks = blocks[start // block_size:]
+        k = dequantize_kv(_gather(k_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len - start], query.dtype, k_scale)
+        v = dequantize_kv(_gather(v_cache, blocks, 1).transpose(0, 1)[:, :, :seq_len - start], query.dtype, v_scale)
         q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if q_len == seq_len and sliding_window is None and logits_soft_cap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            keys = torch.arange(seq_len, device=query.device)[None, :]
+            keys = torch.arange(start, seq_len, device=query.device)[None, :]
             mask = keys <= pos[:, None]
             if sliding_window is not None:
                 mask &= keys > pos[:, None] - sliding_window

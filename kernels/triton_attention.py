@@ -53,7 +53,7 @@ def _tanh(x):
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
                  stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk, stride_v_slot, stride_v_head,
-                 qk_scale, dims, dim_valid, window, soft_cap,
+                 qk_scale, dims, dim_valid, window, kv_lo, soft_cap,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax state of every row.
@@ -68,6 +68,8 @@ def _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cac
     keys = start + tl.arange(0, BLOCK_N)
     if MASK:
         kv_valid = keys < hi
+        if WINDOW:  # nor keys before every row's window: their blocks may have been released
+            kv_valid = kv_valid & (keys >= kv_lo)
         # Keys past the end may index block-table columns that do not exist: do not read them.
         blocks = tl.load(table_ptr + keys // BLOCK_SIZE, mask=kv_valid, other=0)
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
@@ -152,8 +154,10 @@ def paged_attention_kernel(
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     # With a window, keys before the tile holding the first row's oldest visible key are skipped.
     base = 0
+    kv_lo = 0  # the first key any row of the tile sees
     if WINDOW:
-        base = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        kv_lo = tl.maximum(first_pos - window + 1, 0)
+        base = kv_lo // BLOCK_N * BLOCK_N
     lo = base
     hi = kv_end
     if NUM_SPLITS > 1:
@@ -176,18 +180,18 @@ def paged_attention_kernel(
         for start in range(lo, window_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
                                          kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
-                                         stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
-                                         BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
+                                         stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, kv_lo,
+                                         soft_cap, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
     for start in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
                                      kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
-                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
-                                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOW, SOFT_CAP)
+                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, kv_lo,
+                                     soft_cap, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOW, SOFT_CAP)
     for start in range(tl.maximum(window_end, unmasked_end), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, hi, pos, table_ptr, k_cache_ptr, v_cache_ptr,
                                      kv_head, stride_k_blk, stride_k_slot, stride_k_head, stride_v_blk,
-                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, soft_cap,
-                                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
+                                     stride_v_slot, stride_v_head, qk_scale, dims, dim_valid, window, kv_lo,
+                                     soft_cap, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOW, SOFT_CAP)
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:

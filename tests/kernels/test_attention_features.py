@@ -10,6 +10,8 @@ numbers, so a backend that forgets the window is off by their weight.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,21 +150,30 @@ def test_cpu_lone_long_row_splits_its_window_and_merges_the_sink(length):
         check(attend("cpu", b, features), b, features)
 
 
-def test_cpu_window_skips_blocks_it_cannot_see():
-    # Blocks wholly before every row's window are neither read nor checked: poisoned with NaN and
-    # named by a table entry outside the cache, the answer is still the window's.
-    if CPU_ERROR is not None:
-        pytest.skip(f"CPU KERNELS NOT TESTED: {CPU_ERROR}")
-    b = to_cpu_layout(make_batch([1, 4], [70, 64], num_kv_heads=1, group=2, seed=5))
-    features = dict(sliding_window=20)
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_window_skips_blocks_it_cannot_see(request, backend):
+    # Blocks wholly before every row's window are neither read nor checked (a window layer may
+    # release them): poisoned with NaN and named by a table entry outside the cache, the answer is
+    # still the window's. Blocks of 8 keys under Triton's 16-key tiles: a tile starts before the
+    # window's first block, so the kernel must mask those keys' loads, not only their scores.
+    triton_ops = backend_or_skip(backend, request)
+    block_size, window, q_lens = 8, 20, [1, 4]
+    b = make_batch(q_lens, [70, 64], num_kv_heads=1, group=2, block_size=block_size, seed=5)
+    if backend == "cpu":
+        b = to_cpu_layout(b)
+    features = dict(sliding_window=window)
     want = naive(b, **features)
-    for i, seq_len in enumerate(b.seq_lens.tolist()):
-        first_seen = (seq_len - 4 - 20 + 1) // 16  # the earliest row's first visible key's block
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, b.seq_lens.tolist())):
+        first_seen = (seq_len - q_len - window + 1) // block_size  # the first row's oldest visible key's block
         for j in range(first_seen):
             b.k_cache[b.block_tables[i, j]] = NAN
             b.v_cache[b.block_tables[i, j]] = NAN
         b.block_tables[i, :first_seen] = 10_000
-    got = kernels.paged_attention(*b.args(), backend="cpu", **features)
+    if backend == "triton":
+        got = triton_ops.paged_attention(*b.args(), out=torch.full_like(b.query, NAN), config=NARROW, num_splits=2,
+                                         **features)
+    else:
+        got = kernels.paged_attention(*b.args(), backend="cpu", **features)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
 
 
@@ -215,3 +226,33 @@ def test_triton_through_the_dispatch_with_its_own_launch(triton_ops):
     b = make_batch([1, 12], [70, 30], num_kv_heads=1, group=4, dtype=torch.float16, seed=4)
     features = with_sinks(b, FEATURES["all"])
     check(kernels.paged_attention(*b.args(), backend="triton", **features), b, features)
+
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+@pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_fp8_cache_caps_the_true_score(request, backend):
+    # An fp8 cache folds k_scale into the score: the cap must apply to the score it makes
+    # (score * k_scale), not to the e4m3 dot product, and v_scale still multiplies the output.
+    triton_ops = backend_or_skip(backend, request)
+    k_scale, v_scale = 0.37, 2.5
+    b = make_batch([1, 6], [41, 6 + 20], num_kv_heads=2, group=2, seed=8)
+    k8, v8 = (reference.quantize_kv(c, FP8, s) for c, s in ((b.k_cache, k_scale), (b.v_cache, v_scale)))
+    exact = dataclasses.replace(b, k_cache=reference.dequantize_kv(k8, torch.float32, k_scale),
+                                v_cache=reference.dequantize_kv(v8, torch.float32, v_scale))
+    if backend == "triton":  # its caches are plain contiguous tensors
+        k, v = k8.clone(), v8.clone()
+    else:
+        k, v = kernels.allocate_kv_cache(*k8.shape, FP8, DEVICE, backend=backend)
+        k.copy_(k8)
+        v.copy_(v8)
+    b = dataclasses.replace(b, k_cache=k, v_cache=v)
+    features = with_sinks(b, FEATURES["all"])
+    if backend == "triton":
+        got = triton_ops.paged_attention(*b.args(), out=torch.full_like(b.query, NAN), config=NARROW, num_splits=1,
+                                         k_scale=k_scale, v_scale=v_scale, **features)
+    else:
+        got = kernels.paged_attention(*b.args(), backend=backend, k_scale=k_scale, v_scale=v_scale, **features)
+    check(got, exact, features)
