@@ -425,7 +425,7 @@ class _Pending:
 
 
 def _default_core_factory(config: EngineConfig) -> CoreClient:
-    from engine.frontend.startup import start_core
+    from engine.frontend.core_factory import start_core
 
     return start_core(config)
 

@@ -1,6 +1,6 @@
 """Data parallel: data_parallel_size whole engine replicas (each may itself be TP x PP) in their
 own processes, behind the core's interface (CoreClient), so that AsyncEngine (the server) and LLM drive
-them exactly as they drive one core (engine.frontend.startup.start_core picks this front when dp > 1).
+them exactly as they drive one core (engine.frontend.core_factory.start_core picks this front when dp > 1).
 With one replica (EngineConfig.core_process) it is vLLM's process split: the engine core steps in a
 process of its own while the front's process does HTTP, tokenization and detokenization.
 

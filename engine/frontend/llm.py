@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.core.interface import CoreClient
 from engine.frontend import chat_template
-from engine.frontend.startup import start_core
+from engine.frontend.core_factory import start_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

@@ -1,14 +1,13 @@
 """The one place an engine replica is put together: open the model, build the executor (a
 ModelRunner in one process, or rank 0 of a TP x PP replica, which starts the other ranks), and
 hand it to the EngineCore that steps it. The offline LLM, AsyncEngine and each data-parallel
-replica all start their core here; `start_core` says whether it runs in this process or behind
-pipes in processes of its own."""
+replica all start their core here (engine/frontend/core_factory.py says whether in this process or
+behind pipes in processes of its own)."""
 
 from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.interface import CoreClient
 from engine.executor.executor import make_executor
 from engine.loading.loader import source_for
 from engine.runner.model_runner import resolve_device
@@ -30,16 +29,6 @@ def build_engine_core(config: EngineConfig, core_class: type[EngineCore] = Engin
         if stop is not None:
             stop()
         raise
-
-
-def start_core(config: EngineConfig) -> CoreClient:
-    """The core a front end drives: in this process, or (data_parallel_size > 1, or core_process)
-    each replica in a process of its own behind the same calls (engine/frontend/data_parallel.py)."""
-    if config.data_parallel_size > 1 or config.core_process:
-        from engine.frontend.data_parallel import DataParallelCore
-
-        return DataParallelCore(config)
-    return build_engine_core(config)
 
 
 def _uses_cpu_kernels(config: EngineConfig) -> bool:
