@@ -93,11 +93,12 @@ def _rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-@pytest.mark.slow  # the default model and 1,150 compiles, about 60 s
+@pytest.mark.slow  # the default model and 560 compiles, about 20 s
 def test_distinct_schemas_leave_memory_bounded(tmp_path):
-    """1,000 distinct schemas (300 MB of compiled grammars, were they all kept) after a warm-up
-    that fills the grammar cache: the server's RSS stays within 50 MB of where it was."""
-    proc = ServerProcess([], str(tmp_path / "server.log"), startup_timeout=600, entry="engine.cli")
+    """500 distinct schemas (150 MB of compiled grammars, were they all kept) after a warm-up that
+    fills an 8 MiB grammar cache: the server's RSS stays within 50 MB of where it was."""
+    proc = ServerProcess(["--grammar-cache-mib", "8"], str(tmp_path / "server.log"), startup_timeout=600,
+                         entry="engine.cli")
 
     async def send(schemas: range) -> None:
         async with httpx.AsyncClient(base_url=proc.url, timeout=120) as http:
@@ -110,9 +111,9 @@ def test_distinct_schemas_leave_memory_bounded(tmp_path):
                 await asyncio.gather(*(one(n) for n in range(start, min(start + 8, schemas.stop))))
 
     try:
-        asyncio.run(send(range(150)))
+        asyncio.run(send(range(60)))
         before = _rss_mb(proc.proc.pid)
-        asyncio.run(send(range(150, 1150)))
+        asyncio.run(send(range(60, 560)))
         after = _rss_mb(proc.proc.pid)
         assert after - before < 50, (before, after)
         assert httpx.get(proc.url + "/health").status_code == 200
