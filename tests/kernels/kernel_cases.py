@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bfloat16 too under the interpreter: conftest.py patches it to compute bf16 as a GPU does.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -103,3 +105,13 @@ def check_attention(out: torch.Tensor, b: Batch, reference_out: torch.Tensor) ->
     torch.testing.assert_close(got, expect[real], atol=atol, rtol=rtol)
     torch.testing.assert_close(got, reference_out[real].cpu().double(), atol=atol, rtol=rtol)
     assert out[b.num_tokens:].isnan().all(), "a padding row past the last sequence was written"
+
+
+def to_cpu_layout(b):
+    """The batch with its caches copied into cpu-backend caches (logical contents unchanged)."""
+    nb, bs, h, d = b.k_cache.shape
+    k, v = kernels.allocate_kv_cache(nb, bs, h, d, b.k_cache.dtype, "cpu", backend="cpu")
+    k.copy_(b.k_cache)
+    v.copy_(b.v_cache)
+    b.k_cache, b.v_cache = k, v
+    return b

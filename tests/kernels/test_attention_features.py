@@ -18,7 +18,7 @@ import torch
 import kernels
 from kernels import cpu_build, reference
 from kernels.triton_heuristics import TileConfig
-from tests.kernels.kernel_cases import DEVICE, DTYPES, NAN, TOLERANCE, make_batch
+from tests.kernels.kernel_cases import DEVICE, DTYPES, NAN, TOLERANCE, make_batch, to_cpu_layout
 
 CPU_ERROR = cpu_build.available() if DEVICE == "cpu" else RuntimeError("the cpu backend runs on CPU tensors")
 
@@ -66,15 +66,6 @@ def with_sinks(b, features: dict) -> dict:
         gen = torch.Generator().manual_seed(1)
         features = dict(features, sinks=(torch.randn(b.query.shape[1], generator=gen) * 2).to(DEVICE))
     return features
-
-
-def to_cpu_layout(b):
-    nb, bs, h, d = b.k_cache.shape
-    k, v = kernels.allocate_kv_cache(nb, bs, h, d, b.k_cache.dtype, "cpu", backend="cpu")
-    k.copy_(b.k_cache)
-    v.copy_(b.v_cache)
-    b.k_cache, b.v_cache = k, v
-    return b
 
 
 def attend(backend: str, b, features: dict, triton_ops=None, **launch) -> torch.Tensor:

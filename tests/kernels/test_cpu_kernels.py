@@ -14,22 +14,12 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import cpu_build, reference
-from tests.kernels.kernel_cases import check_attention, make_batch
+from tests.kernels.kernel_cases import check_attention, make_batch, to_cpu_layout
 
 if cpu_build.available() is not None:
     pytest.skip(f"CPU KERNELS NOT TESTED: they did not build ({cpu_build.available()})", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def to_cpu_layout(b):
-    """The batch with its caches copied into cpu-backend caches (logical contents unchanged)."""
-    nb, bs, h, d = b.k_cache.shape
-    k, v = kernels.allocate_kv_cache(nb, bs, h, d, b.k_cache.dtype, "cpu", backend="cpu")
-    k.copy_(b.k_cache)
-    v.copy_(b.v_cache)
-    b.k_cache, b.v_cache = k, v
-    return b
 
 
 def run(b) -> None:
