@@ -140,6 +140,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a presence, frequency or repetition penalty moves this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def _validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:

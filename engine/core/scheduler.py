@@ -34,7 +34,7 @@ def speculates(p: SamplingParams) -> bool:
     the earlier tokens or moves the argmax (the verify step takes the model's raw argmax at each
     position), nor logprobs (not reported for verified tokens), nor n > 1 or pooling."""
     return (p.greedy and p.n == 1 and p.pooling is None and p.logprobs is None and p.structured_outputs is None
-            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+            and not (p.penalised or p.logit_bias
                      or p.allowed_token_ids or p.bad_words or p.bad_words_token_ids))
 
 

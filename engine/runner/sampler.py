@@ -150,8 +150,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Stream]) -> list[SampledToken]:
         params = [r.sampling_params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in params)
-        penalised = [i for i, p in enumerate(params)
-                     if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0]
+        penalised = [i for i, p in enumerate(params) if p.penalised]
         banning = [i for i, (r, p) in enumerate(zip(reqs, params)) if len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
