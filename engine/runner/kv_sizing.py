@@ -14,12 +14,11 @@ import torch
 from engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.distributed.state import min_over_ranks, tp_state
 from engine.planning import ModelSpec, kv_budget_bytes, kv_bytes_per_token, kv_capacity_tokens
+from engine.planning.units import MiB
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-MiB = 1 << 20
 
 
 def stage_kv_bytes_per_token(spec: ModelSpec, num_stage_layers: int, kv_dtype: torch.dtype) -> int:
