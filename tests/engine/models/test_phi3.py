@@ -88,23 +88,14 @@ def test_greedy_matches_transformers(name, backend, phi3_models):
     _generate_and_compare(phi3_models(name), backend, [40, 100])
 
 
-def test_longrope_short_factors_within_the_original_length(phi3_models):
+@pytest.mark.parametrize("name, seed", [("phi4-mini-short", 1), ("phi4-mini-long", 2)])
+def test_longrope_short_factors_within_the_original_length(name, seed, phi3_models):
     """A table no longer than the original length takes the short factors, as transformers does for every
-    sequence within it."""
-    path = phi3_models("phi4-mini-short")
+    sequence within it: a model whose own length is the original one, and a long-context model served
+    with --max-model-len within its original length (the table sized by max_model_len, as vLLM sizes it)."""
+    path = phi3_models(name)
     llm = LLM(path, device="cpu", num_kv_blocks=16, block_size=16, max_model_len=ORIGINAL, seed=0)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in (3, 24)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
-
-
-def test_max_model_len_within_the_original_length_takes_the_short_factors(phi3_models):
-    """A long-context model served with --max-model-len within its original length: the table (sized by
-    max_model_len, as vLLM sizes it) takes the short factors, which transformers uses for such sequences."""
-    path = phi3_models("phi4-mini-long")
-    llm = LLM(path, device="cpu", num_kv_blocks=16, block_size=16, max_model_len=ORIGINAL, seed=0)
-    rng = random.Random(2)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, llm.engine.vocab_size) for _ in range(n)] for n in (3, 24)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 6) for p in prompts]
