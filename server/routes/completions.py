@@ -29,10 +29,11 @@ async def create_completion(request: Request):
     prompts = await state.prompts.completion_prompts(body.prompt)
     params = []
     defaults = state.engine.sampling_defaults
+    unset = defaults.as_dict()  # what the model sets for the fields a request leaves unset
     with sampling_errors(renames=_renames(body)):
         for p in prompts:
             max_tokens = resolve_max_tokens(len(p.token_ids), body.max_tokens, state.max_model_len, defaults.max_tokens)
-            params.append(body.to_sampling_params(max_tokens, defaults.as_dict()))
+            params.append(body.to_sampling_params(max_tokens, unset))
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
