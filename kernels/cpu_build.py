@@ -1,14 +1,16 @@
-"""Builds kernels/cpu_ops.cpp (load) and kernels/cpu_quant.cpp (load_quant) on first use (torch's
-JIT extension builder, needs a C++ compiler) and caches each library in a folder of this Python
-environment's own under torch's extension folder ($TORCH_EXTENSIONS_DIR to move it): another
-virtual environment on the machine builds against its own torch headers, and sharing one folder
-made each environment rebuild what the other had just built.
+"""Builds kernels/cpu_ops.cpp (load), kernels/cpu_quant.cpp (load_quant) and kernels/cpu_lora.cpp
+(load_lora) on first use (torch's JIT extension builder, needs a C++ compiler) and caches each
+library in a folder of this Python environment's own under torch's extension folder
+($TORCH_EXTENSIONS_DIR to move it): another virtual environment on the machine builds against its
+own torch headers, and sharing one folder made each environment rebuild what the other had just
+built.
 
 The library's name carries a hash of its source, the compile flags and the torch version, so an
 edited kernel or an upgraded torch builds a fresh one instead of loading a stale binary. An engine
-on a CPU starts both builds at once (`start_building`), each compiler on its own core, while the
-model loads; later processes load the libraries in milliseconds (concurrent ones wait on torch's
-build lock).
+on a CPU starts the first two builds at once (`start_building`), each compiler on its own core,
+while the model loads (the LoRA library waits for the first LoRA call, so an engine serving no
+adapters never builds it); later processes load the libraries in milliseconds (concurrent ones
+wait on torch's build lock).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 QUANT_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+LORA_SOURCE = Path(__file__).with_name("cpu_lora.cpp")
 
 # torch's vector-ISA names -> the flags its own kernels of that capability are compiled with.
 _ISA_FLAGS = {
@@ -105,6 +108,7 @@ class _Library:
 
 _OPS = _Library(SOURCE, "pagewise_cpu", "the CPU kernels")
 _QUANT = _Library(QUANT_SOURCE, "pagewise_cpu_quant", "the quantized CPU kernels")
+_LORA = _Library(LORA_SOURCE, "pagewise_cpu_lora", "the CPU LoRA kernels")
 
 
 def start_building() -> None:
@@ -132,6 +136,12 @@ def load_quant():
     """The compiled kernels/cpu_quant.cpp (matmuls on GGUF block-quantized weights); raises
     RuntimeError saying why when it cannot be built."""
     return _QUANT.load()
+
+
+def load_lora():
+    """The compiled kernels/cpu_lora.cpp (multi-LoRA shrink and expand); raises RuntimeError saying
+    why when it cannot be built."""
+    return _LORA.load()
 
 
 _helpers = 0

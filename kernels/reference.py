@@ -333,3 +333,40 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         y = F.linear(h, w2[e])
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
     return out.to(x.dtype)
+
+
+# ---- multi-LoRA -------------------------------------------------------------------------------------
+# One step serves tokens of several adapters and of the base model together (Punica's shrink / expand).
+# Each adapter sits in a slot of stacked weights: lora_a [slots, N, K] (a fused projection stacks one A
+# per part, N = parts * R) and lora_b [slots, M, R] (one B per part, stacked along the output rows);
+# ranks below R are zero-padded and the scaling alpha / r is folded into lora_b. token_slots [T] int32
+# gives each token's slot, -1 for a token of the base model.
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """buf [T, N] float32: buf[t] = x[t] @ lora_a[token_slots[t]].T in float32; rows of slot -1 are 0."""
+    buf = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(token_slots == slot).squeeze(1)
+        buf[rows] = x[rows].float() @ lora_a[slot].float().T
+    return buf
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                out_slices: tuple[int, ...]) -> None:
+    """In place: for slice i (output rows o_i .. o_i + m_i, o_i = sum(out_slices[:i])),
+    y[t, o_i:o_i + m_i] += (buf[t, i*R:(i+1)*R] @ lora_b[token_slots[t], o_i:o_i + m_i].T).to(y.dtype),
+    the product in float32; rows of slot -1 are left as they are."""
+    rank = lora_b.shape[2]
+    assert sum(out_slices) == y.shape[1] == lora_b.shape[1] and len(out_slices) * rank == buf.shape[1]
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(token_slots == slot).squeeze(1)
+        offset = 0
+        for i, size in enumerate(out_slices):
+            delta = buf[rows, i * rank:(i + 1) * rank] @ lora_b[slot, offset:offset + size].float().T
+            y[rows, offset:offset + size] += delta.to(y.dtype)
+            offset += size
