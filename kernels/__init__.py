@@ -1,13 +1,15 @@
-"""The attention, KV-cache, fused elementwise and mixture-of-experts ops the engine calls; the one
-place a backend is chosen.
+"""The attention, KV-cache, fused elementwise, mixture-of-experts and multi-LoRA ops the engine
+calls; the one place a backend is chosen.
 
 Backends:
   torch   kernels/reference.py: pure torch, the test oracle, and the fallback on any device.
   cpu     kernels/cpu_ops.py: C++ kernels (kernels/cpu_ops.cpp, compiled on first use) for CPU
           paged attention, the KV store, the fused norm / rotary / SwiGLU and the fused MoE
-          layer, and oneDNN matmuls on prepacked weights. The default on CPU when a C++
-          compiler is there.
-  triton  kernels/triton_*.py: the CUDA path (the MoE layer as a grouped GEMM, triton_moe.py).
+          layer, and oneDNN matmuls on prepacked weights; the LoRA shrink and expand in
+          kernels/cpu_lora.py (their own library, built on the first LoRA call). The default on
+          CPU when a C++ compiler is there.
+  triton  kernels/triton_*.py: the CUDA path (the MoE layer as a grouped GEMM, triton_moe.py;
+          the LoRA shrink and expand, triton_lora.py).
           On CPU tensors it runs only under Triton's interpreter (TRITON_INTERPRET=1 set before
           the kernels are imported), for tests.
 
@@ -129,6 +131,8 @@ class Backend:
     # qk's last value.shape[1] heads (the keys), rotated, and value stored at their slots
     rotary_write_kv: Callable
     argmax: Callable  # (logits [B, V]) -> int64 [B]: each row's first maximum (NaN first), greedy sampling
+    lora_shrink: Callable  # (x [T, K], lora_a [S, N, K], token_slots [T] int32) -> buf [T, N] float32
+    lora_expand: Callable  # (y [T, M], buf [T, N], lora_b [S, M, R], token_slots, out_slices) -> None, in place
 
 
 def _plain_linear(x, weight, bias=None, packed=None):
@@ -167,10 +171,12 @@ def _torch_backend() -> Backend:
     return Backend("torch", r.write_kv, r.paged_attention, r.plan_attention, allocate_kv_cache, r.copy_blocks,
                    r.rms_norm, r.apply_rotary, r.silu_and_mul, _no_packing, _plain_linear, _no_padding,
                    r.apply_token_bitmask, r.select_experts, _no_moe_packing, r.fused_moe,
-                   rotary_write_kv=_rotary_then_write_kv(r.apply_rotary, r.write_kv), argmax=r.argmax)
+                   rotary_write_kv=_rotary_then_write_kv(r.apply_rotary, r.write_kv), argmax=r.argmax,
+                   lora_shrink=r.lora_shrink, lora_expand=r.lora_expand)
 
 
 def _cpu_backend() -> Backend:
+    from kernels import cpu_lora  # its own library, built on the first LoRA call
     from kernels import cpu_ops as c  # the C++ build itself waits for the first kernel call
 
     def linear(x, weight, bias=None, packed=None):
@@ -179,14 +185,15 @@ def _cpu_backend() -> Backend:
     return Backend("cpu", c.write_kv, c.paged_attention, c.plan_attention, c.allocate_kv_cache, c.copy_blocks,
                    c.rms_norm, c.apply_rotary, c.silu_and_mul, c.pack_linear_weight, linear, c.padded_num_tokens,
                    c.apply_token_bitmask, c.select_experts, c.pack_moe_weights, c.fused_moe,
-                   rotary_write_kv=_rotary_then_write_kv(c.apply_rotary, c.write_kv), argmax=c.argmax)
+                   rotary_write_kv=_rotary_then_write_kv(c.apply_rotary, c.write_kv), argmax=c.argmax,
+                   lora_shrink=cpu_lora.lora_shrink, lora_expand=cpu_lora.lora_expand)
 
 
 def _triton_backend() -> Backend:
-    """Attention, the KV store, the MoE grouped GEMMs and the fused elementwise ops (residual-add +
-    RMSNorm, rotary + KV store, SiLU-and-mul: one launch each, kernels/triton_fused.py) in Triton;
-    routing and the token bitmask stay torch."""
-    from kernels import triton_moe
+    """Attention, the KV store, the MoE grouped GEMMs, the LoRA shrink and expand and the fused
+    elementwise ops (residual-add + RMSNorm, rotary + KV store, SiLU-and-mul: one launch each,
+    kernels/triton_fused.py) in Triton; routing and the token bitmask stay torch."""
+    from kernels import triton_lora, triton_moe
     from kernels import triton_ops as t
 
     def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, plan=None,
@@ -206,7 +213,8 @@ def _triton_backend() -> Backend:
     return Backend("triton", t.write_kv, paged_attention, plan_attention, allocate_kv_cache, t.copy_blocks,
                    t.rms_norm, t.apply_rotary, t.silu_and_mul, _no_packing, _plain_linear, _no_padding,
                    r.apply_token_bitmask, r.select_experts, _no_moe_packing, triton_moe.fused_moe,
-                   rotary_write_kv=t.rotary_write_kv, argmax=r.chunked_argmax)
+                   rotary_write_kv=t.rotary_write_kv, argmax=r.chunked_argmax,
+                   lora_shrink=triton_lora.lora_shrink, lora_expand=triton_lora.lora_expand)
 
 
 _BUILDERS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend}
@@ -324,3 +332,22 @@ def fused_moe(x, topk_weights, topk_ids, w13, w2, expert_offset: int = 0, packed
     other ranks add nothing (the caller all-reduces). `packed`: pack_moe_weights' result, read
     instead of w13 / w2, which may then be empty."""
     return get_backend(backend).fused_moe(x, topk_weights, topk_ids, w13, w2, expert_offset, packed)
+
+
+def lora_shrink(x, lora_a, token_slots, backend: str = "torch"):
+    """Multi-LoRA's first half (Punica's shrink): buf [T, N] float32 with buf[t] = x[t] @
+    lora_a[token_slots[t]].T summed in float32, 0 where token_slots[t] is -1 (a token of the base
+    model). x [T, K] float32 / bfloat16 / float16 with contiguous rows (a row-strided view is fine),
+    lora_a [S, N, K] of x's dtype, one adapter per slot; a fused projection stacks one A per part
+    (N = parts * R). token_slots [T] int32."""
+    return get_backend(backend).lora_shrink(x, lora_a, token_slots)
+
+
+def lora_expand(y, buf, lora_b, token_slots, out_slices: tuple[int, ...], backend: str = "torch") -> None:
+    """Multi-LoRA's second half (Punica's expand), in place on y [T, M] (the model's dtype, rows
+    contiguous): for slice i of out_slices (sum M, len(out_slices) * R == N), at output offset
+    o_i = sum(out_slices[:i]) and of size m_i, y[t, o_i:o_i + m_i] += buf[t, i*R:(i+1)*R] @
+    lora_b[token_slots[t], o_i:o_i + m_i].T, summed in float32 and rounded to y's dtype before the
+    add. lora_b [S, M, R] of y's dtype (smaller ranks zero-padded to R, alpha / r folded in); rows
+    of slot -1 stay bit for bit as they were."""
+    get_backend(backend).lora_expand(y, buf, lora_b, token_slots, out_slices)

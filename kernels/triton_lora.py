@@ -1,0 +1,108 @@
+"""Triton multi-LoRA shrink and expand, BGMV-style: each program reads its own token's adapter slot
+and multiplies that token's row by that adapter's weights, so tokens of many adapters (and of the
+base model, slot -1) share one launch with no sorting or grouping on the host. kernels/reference.py
+defines both ops.
+
+  shrink  grid (tokens, blocks of BLOCK_N rows of A): buf[t, rows] = A[slot, rows] @ x[t], float32,
+          K walked in BLOCK_K steps; slot -1 stores zeros.
+  expand  grid (tokens, blocks of BLOCK_M output columns): each column finds its slice (up to
+          MAX_SLICES boundaries are scalar arguments, so no tensor describes the slices), reads that
+          slice's R values of buf and its row of B, and adds the float32 sum, rounded to y's dtype,
+          to y; slot -1 returns at once, leaving y's row as it was.
+
+Ranks need not be powers of two: the rank is padded to R_PAD lanes under a mask. The token count
+is the grid, never an argument, so a new batch size never compiles a new binary; every size that
+is an argument is a model constant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SLICES = 4  # slices one expand launch handles; a projection with more takes a launch per group
+BLOCK_N = 16
+BLOCK_M = 64
+
+
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # may be a view into a staging buffer
+def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, buf_ptr, stride_x,
+                       K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if slot >= 0:
+        a_rows = a_ptr + slot * (N * K) + rows[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_mask = cols < K
+            x = tl.load(x_ptr + tok * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+            a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+    tl.store(buf_ptr + tok * N + rows, acc, mask=row_mask)
+
+
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
+def lora_expand_kernel(y_ptr, buf_ptr, b_ptr, slots_ptr, stride_y, stride_buf, stride_b,
+                       bound1, bound2, bound3,
+                       M: tl.constexpr, R: tl.constexpr, NUM_SLICES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, R_PAD: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return  # a token of the base model: its row of y stays as it was
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_mask = cols < M
+    part = tl.zeros([BLOCK_M], dtype=tl.int32)  # each column's slice
+    if NUM_SLICES > 1:
+        part += (cols >= bound1).to(tl.int32)
+    if NUM_SLICES > 2:
+        part += (cols >= bound2).to(tl.int32)
+    if NUM_SLICES > 3:
+        part += (cols >= bound3).to(tl.int32)
+    ranks = tl.arange(0, R_PAD)
+    mask = col_mask[:, None] & (ranks < R)[None, :]
+    v = tl.load(buf_ptr + tok * stride_buf + part[:, None] * R + ranks[None, :], mask=mask, other=0.0)
+    b = tl.load(b_ptr + slot * stride_b + cols[:, None].to(tl.int64) * R + ranks[None, :], mask=mask, other=0.0)
+    delta = tl.sum(b.to(tl.float32) * v, axis=1)
+    y_ptrs = y_ptr + tok * stride_y + cols
+    y = tl.load(y_ptrs, mask=col_mask)
+    dtype = y_ptr.dtype.element_ty
+    tl.store(y_ptrs, (y.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype), mask=col_mask)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    tokens, k = x.shape
+    n = lora_a.shape[1]
+    assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[2] == k
+    buf = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
+    if tokens and n:
+        block_k = min(256, triton.next_power_of_2(k))
+        lora_shrink_kernel[(tokens, triton.cdiv(n, BLOCK_N))](x, lora_a, token_slots, buf, x.stride(0),
+                                                              K=k, N=n, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
+    return buf
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                out_slices: tuple[int, ...]) -> None:
+    rank = lora_b.shape[2]
+    assert y.stride(1) == 1 and lora_b.is_contiguous() and buf.is_contiguous()
+    assert sum(out_slices) == y.shape[1] == lora_b.shape[1] and len(out_slices) * rank == buf.shape[1]
+    if not y.shape[0] or not rank:
+        return
+    offset = 0
+    for first in range(0, len(out_slices), MAX_SLICES):
+        group = out_slices[first:first + MAX_SLICES]
+        width = sum(group)
+        bounds = [sum(group[:i]) for i in range(1, MAX_SLICES)]
+        # Column views of this group: y's and B's rows keep their strides, buf's columns start at the group's.
+        y_part, b_part = y[:, offset:offset + width], lora_b[:, offset:offset + width]
+        buf_part = buf[:, first * rank:]
+        if width:
+            lora_expand_kernel[(y.shape[0], triton.cdiv(width, BLOCK_M))](
+                y_part, buf_part, b_part, token_slots, y.stride(0), buf.stride(0), lora_b.stride(0), *bounds,
+                M=width, R=rank, NUM_SLICES=len(group), BLOCK_M=BLOCK_M, R_PAD=triton.next_power_of_2(rank))
+        offset += width
