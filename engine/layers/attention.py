@@ -11,9 +11,14 @@ from engine.layers.context import get_forward_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # The kernels' optional features (kernels/reference.py): keys this far back at most, scores
+        # capped as cap * tanh(s / cap), one extra softmax logit per query head; None turns each off.
+        self.sliding_window, self.logits_soft_cap, self.sinks = sliding_window, logits_soft_cap, sinks
         # Bound by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -33,4 +38,5 @@ class PagedAttention(nn.Module):
         q = qk[:, :self.num_heads]
         return backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, self.scale, plan=meta.plan, k_scale=self.k_scale,
-                                       v_scale=self.v_scale)
+                                       v_scale=self.v_scale, sliding_window=self.sliding_window,
+                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)

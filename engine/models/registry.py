@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,

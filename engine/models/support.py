@@ -17,8 +17,12 @@ def _rope_scaling(config: dict) -> dict:
 
 
 def _rope_type(config: dict) -> str:
+    """The config's rope type, or the first unserved one of its per-layer-type sets (Gemma 3 keeps one
+    for its window layers and one for its full layers in rope_parameters)."""
     scaling = _rope_scaling(config)
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    kinds = [s.get("rope_type", s.get("type", "default")) or "default"
+             for s in [scaling] + [v for v in scaling.values() if isinstance(v, dict)]]
+    kind = next((k for k in kinds if k not in SUPPORTED_ROPE_TYPES), kinds[0])
     # Phi-3's older configs name LongRoPE "su" (or "yarn"); transformers' Phi3Config reads them as longrope.
     return "longrope" if config.get("model_type") == "phi3" and kind in ("su", "yarn") else kind
 
@@ -32,20 +36,27 @@ def _partial_rotary(config: dict):
     return config.get("partial_rotary_factor") or _rope_scaling(config).get("partial_rotary_factor")
 
 
+SERVED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
 # (what a config asks for, in the field's words; whether this config asks for it; the model types
 # whose implementation computes it). A family that implements one adds its model_type there.
 FEATURES = [
     (lambda c: f"rope_scaling of type {_rope_type(c)!r} (served: {', '.join(SUPPORTED_ROPE_TYPES)})",
      lambda c: _rope_type(c) not in SUPPORTED_ROPE_TYPES, ()),
+    # Gemma 3's attention in transformers ignores attn_logit_softcapping: a Gemma 3 config setting it is refused.
     (lambda c: f"attention-logit soft-capping (attn_logit_softcapping {c['attn_logit_softcapping']})",
-     lambda c: _set(c, "attn_logit_softcapping"), ()),
+     lambda c: _set(c, "attn_logit_softcapping"), ("gemma2",)),
     (lambda c: f"final-logit soft-capping (final_logit_softcapping {c['final_logit_softcapping']})",
-     lambda c: _set(c, "final_logit_softcapping"), ()),
+     lambda c: _set(c, "final_logit_softcapping"), ("gemma2", "gemma3_text")),
     (lambda c: f"partial rotary embeddings (partial_rotary_factor {_partial_rotary(c)})",
      lambda c: _partial_rotary(c) not in (None, 1, 1.0), ("phi3",)),
     # One window size for all layers is served (the context is capped at it); a list is a window per layer.
     (lambda c: f"a sliding window per layer (sliding_window {c['sliding_window']})",
      lambda c: isinstance(c.get("sliding_window"), (list, tuple)), ()),
+    (lambda c: f"layer types {sorted(set(c['layer_types']) - SERVED_LAYER_TYPES)} (served: full and sliding attention)",
+     lambda c: bool(set(c.get("layer_types") or ()) - SERVED_LAYER_TYPES), ()),
+    (lambda c: "bidirectional attention (use_bidirectional_attention)",
+     lambda c: bool(c.get("use_bidirectional_attention")), ()),
 ]
 
 

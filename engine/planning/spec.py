@@ -19,6 +19,9 @@ from engine.planning.moe import declares_experts, moe_fields
 
 MLP_KINDS = ("swiglu", "gelu")  # gate/up/down with SiLU (Llama) | fc/proj with GELU (GPT-2/3)
 NORM_KINDS = ("rmsnorm", "layernorm")  # weight | weight and bias
+# Families whose window layers mask their window in the kernels (Gemma 2 and 3): a full-length cache,
+# no cap on the context; other families' window is served by capping the context at it.
+WINDOW_MASKING_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others have a dense MLP of ffn_hidden_size
     # Mistral's sliding window where the config turns it on: the engine attends in full, so it serves
     # no context longer than the window (engine/runner/model_runner.py), and the serving plan does the same.
+    # None for WINDOW_MASKING_TYPES, whose window layers mask it: their context is not capped.
     sliding_window: int | None = None
     checkpoint_dtype: str = ""  # the dtype config.json says the weights are stored in ("" where it says none)
 
@@ -152,7 +156,8 @@ class ModelSpec:
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), activation=cfg.get("hidden_act", "silu"),
             attention_dropout=cfg.get("attention_dropout", 0.0),
-            sliding_window=(cfg.get("sliding_window") or None) if cfg.get("use_sliding_window", True) else None,
+            sliding_window=((cfg.get("sliding_window") or None)
+                            if cfg.get("use_sliding_window", True) and model_type not in WINDOW_MASKING_TYPES else None),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), **moe,
         )
 
