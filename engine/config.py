@@ -278,6 +278,14 @@ class EngineConfig:
                                                   "tokens a step that continue an earlier occurrence of their last "
                                                   "M..N tokens, verified exactly by the model (default: off)")
 
+    enable_lora: bool = _knob(False, "serve LoRA adapters (PEFT folders) beside the base model: requests name one "
+                                     "(vLLM's flag); off: no adapter weights are allocated")
+    max_loras: int = _knob(1, "LoRA: adapters one step may run at once (their weights stay in that many slots "
+                              "next to the model)")
+    max_lora_rank: int = _knob(16, "LoRA: the largest adapter rank served (each slot holds this rank)")
+    max_cpu_loras: int | None = _knob(None, "LoRA: adapters kept loaded in CPU memory, least recently used "
+                                            "dropped first (default: max_loras)")
+
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -356,6 +364,10 @@ class EngineConfig:
             self._check_chat_template()
         if self.speculative_config is not None:
             self._check_speculative_config()
+        check(self.max_loras >= 1, "max_loras", ">= 1")
+        check(self.max_lora_rank >= 1, "max_lora_rank", ">= 1")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+              f"None or >= max_loras ({self.max_loras})")
         _warn_removed_env()
         for name, notice in VLLM_NOTICES.items():
             if getattr(self, name) not in (None, False) and name not in _noticed:

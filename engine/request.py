@@ -6,8 +6,25 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request runs with (vLLM's LoRARequest): a PEFT folder (adapter_config.json +
+    adapter_model.safetensors), named for clients, with an integer id unique per adapter, which keys
+    the runner's slots and salts the prefix cache (two adapters never share KV)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None  # the model it was trained on, as /v1/models lists its parent
+
+    def __post_init__(self):
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1 (0 is the base model), got {self.lora_int_id!r}")
 
 
 class RequestStatus(enum.Enum):
@@ -45,8 +62,9 @@ class TokenSequence:
 
 class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 index: int = 0, arrival_time: float | None = None):
+                 index: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None):
         self.request_id = request_id
+        self.lora_request = lora_request
         self.index = index  # which of the parent's n choices this stream is
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -77,6 +95,11 @@ class Request(TokenSequence):
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
@@ -85,10 +108,12 @@ class ParentRequest:
     """What the user asked for: one prompt, its sampling parameters, and its n choices (None
     until forked). Tracked by EngineCore until every choice has ended."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.lora_request = lora_request
         self.choices: list[Request | None] = [None] * sampling_params.n
         self.num_cached_tokens = 0
         self.ended = False  # aborted or failed: choices never started are finished too

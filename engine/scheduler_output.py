@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None  # the adapter its tokens run through (the runner loads it)
 
 
 @dataclass

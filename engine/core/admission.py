@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import structured_output
+from engine.config import EngineConfig
+from engine.loading.lora_adapter import AdapterError, check_adapter, target_shapes
+from engine.request import LoRARequest
 from engine.sampling_params import RequestError, SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the code OpenAI's API answers these with
@@ -22,6 +25,14 @@ class Limits:
     max_model_len: int
     max_num_seqs: int
     max_logprobs: int
+    # LoRA: the projections an adapter may target, (in, out) each, and the largest rank; None: LoRA is off.
+    lora_targets: dict[str, tuple[int, int]] | None = None
+    max_lora_rank: int = 0
+
+    @classmethod
+    def of(cls, config: EngineConfig, hf_config, max_model_len: int) -> "Limits":
+        return cls(hf_config.vocab_size, max_model_len, config.max_num_seqs, config.max_logprobs,
+                   target_shapes(hf_config) if config.enable_lora else None, config.max_lora_rank)
 
 
 def check_context(num_prompt_tokens: int, max_model_len: int, generates: bool = True) -> None:
@@ -48,9 +59,26 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
     return requested  # values below 1 are left to SamplingParams, which names the field
 
 
-def check_request(ids: list[int], params: SamplingParams, limits: Limits) -> None:
+def check_lora(lora_request: LoRARequest | None, limits: Limits) -> None:
+    """An adapter the engine can serve on this model (its folder checked once per version)."""
+    if lora_request is None:
+        return
+    if not isinstance(lora_request, LoRARequest):
+        raise RequestError("lora_request", f" must be a LoRARequest, got {type(lora_request).__name__}")
+    if limits.lora_targets is None:
+        raise RequestError("lora_request", ": LoRA serving is off; start the engine with enable_lora=True "
+                                           "(--enable-lora) to serve adapters")
+    try:
+        check_adapter(lora_request.lora_path, limits.lora_targets, limits.max_lora_rank)
+    except AdapterError as e:
+        raise RequestError("lora_request", f": {e}") from None
+
+
+def check_request(ids: list[int], params: SamplingParams, limits: Limits,
+                  lora_request: LoRARequest | None = None) -> None:
     """Raises a RequestError naming the field when the request cannot be served as asked, beyond
     SamplingParams' own checks; a grammar's compile starts here (structured_output.admit)."""
+    check_lora(lora_request, limits)
     if not ids:
         raise RequestError("prompt", " is empty: give at least one token")
     vocab_size = limits.vocab_size

@@ -18,7 +18,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.loading.loader import ModelSource
 from engine.outputs import CoreOutput
-from engine.request import ParentRequest, Request
+from engine.request import LoRARequest, ParentRequest, Request
 from engine.runner import bad_words
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SampledToken
@@ -53,7 +53,7 @@ class EngineCore:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so that every prompt can be scheduled")
-        self.limits = Limits(self.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
+        self.limits = Limits.of(config, source.hf_config, self.max_model_len)
         self.scheduler = Scheduler(config, KVCacheManager(self.runner.num_blocks, config.block_size,
                                                           config.enable_prefix_caching), self.max_model_len,
                                    cpu=getattr(self.runner.device, "type", None) == "cpu")
@@ -77,7 +77,7 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request that check_request passed: the front end that took it checked it once."""
         self.num_requests_added += 1
         if request_id in self.parents:
@@ -86,13 +86,14 @@ class EngineCore:
         if sampling_params.bad_words:  # a copy: the caller's params may go to another engine, another tokenizer
             sequences = bad_words.token_sequences(sampling_params.bad_words, self.tokenizer)
             sampling_params = dataclasses.replace(sampling_params, bad_words_token_ids=sequences)
-        parent = ParentRequest(request_id, ids, sampling_params)
-        first = parent.choices[0] = Request(request_id, ids, sampling_params, index=0, arrival_time=arrival_time)
+        parent = ParentRequest(request_id, ids, sampling_params, lora_request)
+        first = parent.choices[0] = Request(request_id, ids, sampling_params, index=0, arrival_time=arrival_time,
+                                            lora_request=lora_request)
         self.parents[request_id] = parent
         self.scheduler.add(first)
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        check_request(ids, params, self.limits)
+    def check_request(self, ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
+        check_request(ids, params, self.limits, lora_request)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Free the requests' blocks now; the next step reports each unfinished choice as ended

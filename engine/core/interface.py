@@ -8,6 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine.loading.sampling_defaults import SamplingDefaults
 from engine.outputs import CoreOutput
+from engine.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -18,7 +19,8 @@ class CoreClient(Protocol):
     max_model_len: int
     sampling_defaults: SamplingDefaults  # the model's generation_config.json, for requests that leave a field unset
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request that check_request passed (the front end checks each request once)."""
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -33,7 +35,7 @@ class CoreClient(Protocol):
     def step(self) -> list[CoreOutput]:
         """Runs one step and returns its outputs, one per choice that advanced or ended."""
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         """Raises a RequestError naming the field when the request cannot be served as asked."""
 
     def check_health(self) -> None:

@@ -26,6 +26,12 @@ def block_hash(parent: int | None, token_ids: list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def chain_start(request: Request) -> int | None:
+    """The hash a request's first block chains from: none for the base model, its adapter's own for
+    a LoRA request, so that blocks computed through different adapters never match."""
+    return None if request.lora_int_id == 0 else block_hash(None, [-1, request.lora_int_id])
+
+
 class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -101,7 +107,7 @@ class KVCacheManager:
             return []  # these read every prompt position's output, so every position is computed
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        blocks, parent = [], None
+        blocks, parent = [], chain_start(request)
         for i in range(max_blocks):
             parent = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.pool.cached.get(parent)
@@ -142,7 +148,7 @@ class KVCacheManager:
         full = request.num_computed_tokens // self.block_size
         while len(request.block_hashes) < full:
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else chain_start(request)
             h = block_hash(parent, request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size))
             request.block_hashes.append(h)
             self.pool.set_hash(request.block_ids[i], h)

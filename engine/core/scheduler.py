@@ -66,6 +66,8 @@ class Scheduler:
         self.step_streams: dict[str, Request] = {}
         self.forked: list[Request] = []
         self._finished_ids: list[str] = []  # streams the runner still holds, to name in the next output
+        # LoRA: the most adapters the running requests may use at once (the runner's slots).
+        self.max_loras = config.max_loras if config.enable_lora else 0
         self.speculative = config.speculative_config  # validated: method ngram, its k and n-gram lengths
         self.drafts: dict[str, list[int]] = {}  # this step's draft tokens, by stream key
 
@@ -80,7 +82,8 @@ class Scheduler:
         recomputes its prompt."""
         first.forked = True
         for i in range(1, first.sampling_params.n):
-            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i)
+            child = Request(first.request_id, first.prompt_token_ids, first.sampling_params, index=i,
+                            lora_request=first.lora_request)
             child.forked = True
             self.forked.append(child)
             copies = self.kv.fork(first, child, num_computed)
@@ -206,6 +209,8 @@ class Scheduler:
             return self._finish_output(out)
         # An unforked parent in its prefill already holds the slots of its n choices.
         running_seqs = self.num_running_seqs
+        adapters = {r.lora_int_id for r in self.running} - {0}
+        skipped: list[Request] = []  # their adapter finds no slot free: they wait, later requests may start
         while budget > 0:
             self._drop_finished_head()
             if not self.waiting:
@@ -214,6 +219,10 @@ class Scheduler:
             # Admission refuses n > max_num_seqs, so a request that does not fit now fits later.
             if running_seqs + self._seqs(req) > self.max_num_seqs:
                 break
+            if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                self._pop_waiting()
+                skipped.append(req)
+                continue
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             remaining = req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size
             if not self.chunked_prefill and remaining > budget:
@@ -227,8 +236,12 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             running_seqs += self._seqs(req)
+            adapters.add(req.lora_int_id)
+            adapters.discard(0)
             self.scheduled.append((req, n))
             budget -= n
+        for req in reversed(skipped):
+            self._enqueue(req, front=True)
         return self._finish_output(out)
 
     def _finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -257,7 +270,7 @@ class Scheduler:
     @staticmethod
     def _new_data(req: Request) -> NewRequestData:
         return NewRequestData(req.key, req.index, req.prompt_token_ids, list(req.output_token_ids),
-                              req.sampling_params, list(req.block_ids), req.num_computed_tokens)
+                              req.sampling_params, list(req.block_ids), req.num_computed_tokens, req.lora_request)
 
     def _preempt(self, req: Request) -> None:
         """Drop the request's KV and queue it first in line; it will recompute its tokens."""

@@ -31,6 +31,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.request_stream import RequestStream
 from engine.loading.sampling_defaults import SamplingDefaults
 from engine.outputs import RequestOutput
+from engine.request import LoRARequest
 from engine.sampling_params import PARAM_NAMES, RequestError, SamplingParams
 
 logger = logging.getLogger("pagewise.async_engine")
@@ -164,7 +165,8 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       prompt: str | None = None, delta: bool = True) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, delta: bool = True,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput deltas until the request finishes; with delta=False, yield the one
         whole output when it finishes (what a non-streamed response needs, built once).
 
@@ -173,10 +175,10 @@ class AsyncEngine:
         when the loop died. Closing the iterator early aborts the request and frees its blocks.
         """
         arrival_time = time.perf_counter()
-        await self._check(prompt_token_ids, sampling_params)
+        await self._check(prompt_token_ids, sampling_params, lora_request)
         stream, admission = self._admit(request_id, prompt_token_ids, prompt, sampling_params.n)
         self._commands.append(("add", request_id, prompt_token_ids, sampling_params, prompt, admission,
-                               delta, arrival_time))
+                               delta, arrival_time, lora_request))
         self._wake.set()
         if self.config.log_requests:
             logger.info("request %s: prompt=%r token_ids=%s params=%s", request_id, prompt,
@@ -207,17 +209,18 @@ class AsyncEngine:
         self._commands.append(("abort", ids))
         self._wake.set()
 
-    async def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def _check(self, prompt_token_ids: list[int], params: SamplingParams,
+                     lora_request: LoRARequest | None = None) -> None:
         """The request's one admission check (a RequestError naming the field), on the event loop
         except for a request with a grammar: its bounds, the core's checks and its compile run on
         a checker thread, and the request waits there so that it enters the core with its grammar
         ready. The core's checks read only what it fixed at start, so no thread races the engine's."""
         self._check_open()
         if params.structured_outputs is None:
-            self._core.check_request(prompt_token_ids, params)
+            self._core.check_request(prompt_token_ids, params, lora_request)
             return
         await asyncio.get_running_loop().run_in_executor(_GRAMMAR_CHECKS, self._check_with_grammar,
-                                                         prompt_token_ids, params)
+                                                         prompt_token_ids, params, lora_request)
 
     def _check_open(self) -> None:
         if self._shutdown_task is not None and self._dead is None:
@@ -225,10 +228,11 @@ class AsyncEngine:
             raise EngineShuttingDownError("server is shutting down")
         self.check_health()
 
-    def _check_with_grammar(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_with_grammar(self, prompt_token_ids: list[int], params: SamplingParams,
+                            lora_request: LoRARequest | None) -> None:
         spec = params.structured_outputs
         structured_output.check_bounds(spec, self.config)
-        self._core.check_request(prompt_token_ids, params)
+        self._core.check_request(prompt_token_ids, params, lora_request)
         structured_output.wait_compiled(spec, params.max_tokens)
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], prompt: str | None,
@@ -340,10 +344,10 @@ class AsyncEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prompt_token_ids, params, prompt, admission, delta, arrival_time = command
+                _, request_id, prompt_token_ids, params, prompt, admission, delta, arrival_time, lora = command
                 self._handed.append(admission)  # counted as pending until the stats after a step show it
                 try:
-                    core.add_request(request_id, prompt_token_ids, params)
+                    core.add_request(request_id, prompt_token_ids, params, lora_request=lora)
                     processor.add_request(request_id, prompt, prompt_token_ids, params, delta, arrival_time)
                 except ValueError as e:  # a request id in use: the caller's fault, not the engine's
                     rejected.append((request_id, e))

@@ -69,7 +69,7 @@ class DataParallelCore:
             self.shutdown()
             raise
         self.max_model_len = min(r[1] for r in ready)
-        self.limits = Limits(self.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs)
+        self.limits = Limits.of(config, source.hf_config, self.max_model_len)
         self.replica_stats = [r[2] for r in ready]
         self.router = Router(n, config.block_size)
         self.owner: dict[str, int] = {}  # unfinished request -> its replica
@@ -92,7 +92,7 @@ class DataParallelCore:
     # ---- the core's interface (CoreClient) -------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -101,7 +101,7 @@ class DataParallelCore:
         self.owner[request_id] = replica
         self.num_sent[replica] += 1
         self.in_transit[replica].append((self.num_sent[replica], sampling_params.n))
-        self._send(replica, ("add", request_id, ids, sampling_params, arrival_time))
+        self._send(replica, ("add", request_id, ids, sampling_params, arrival_time, lora_request))
 
     def finish_choice(self, request_id: str, index: int, stop: str) -> None:
         """A stop string ended this choice: its replica frees it (and may have made a token or two
@@ -109,8 +109,8 @@ class DataParallelCore:
         if request_id in self.owner:
             self._send(self.owner[request_id], ("finish", request_id, index, stop))
 
-    def check_request(self, ids: list[int], params) -> None:
-        check_request(ids, params, self.limits)
+    def check_request(self, ids: list[int], params, lora_request=None) -> None:
+        check_request(ids, params, self.limits, lora_request)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Each replica reports its aborted requests once more, finished with reason "abort"."""

@@ -13,6 +13,7 @@ from engine.frontend import chat_template
 from engine.frontend.core_factory import start_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict  # a dict: vLLM's {"prompt": text} or {"prompt_token_ids": ids}
@@ -39,13 +40,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, list):
             raise ValueError(f"prompts must be a string, a list of token ids, a dict ({{'prompt': ...}} or "
                              f"{{'prompt_token_ids': ...}}) or a list of those, got {type(prompts).__name__}")
-        return self._run([self._prompt(p, i) for i, p in enumerate(prompts)], sampling_params, use_tqdm)
+        return self._run([self._prompt(p, i) for i, p in enumerate(prompts)], sampling_params, use_tqdm,
+                         lora_request)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "last", use_tqdm: bool = True) -> list[list[float]]:
         """One embedding per prompt: the final hidden states (after the last norm) of its last token
@@ -60,7 +64,8 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None,
-             parse_special_tokens_in_messages: bool = False) -> list[RequestOutput]:
+             parse_special_tokens_in_messages: bool = False,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """As vLLM's LLM.chat: continue_final_message leaves the last message open for the model to
         continue (add_generation_prompt must then be False); chat_template_kwargs are more variables
         for the template (e.g. Qwen3's enable_thinking). Special-token text in the messages is plain
@@ -78,7 +83,7 @@ class LLM:
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
                                         template_kwargs=chat_template_kwargs) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling_params samples with: the API's defaults, with the model's
@@ -97,20 +102,24 @@ class LLM:
                          f"'prompt_token_ids', got {str(prompt)[:100]!r}")
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None, use_tqdm: bool,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts (give one, or one per prompt)")
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         order = {}
         try:
-            for (text, ids), p in zip(prompts, params):
+            for (text, ids), p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                self.engine.check_request(ids, p)
-                self.engine.add_request(rid, ids, p)
+                self.engine.check_request(ids, p, lora)
+                self.engine.add_request(rid, ids, p, lora_request=lora)
                 self.output_processor.add_request(rid, text, ids, p, delta=False)
                 order[rid] = len(order)
         except BaseException:

@@ -1,7 +1,7 @@
 """One data-parallel replica: a whole EngineCore (itself maybe TP x PP) in its own process,
 stepped by commands from the front (engine.frontend.data_parallel) over a pipe.
 
-Front -> replica: ("add", request_id, prompt_token_ids, sampling_params, arrival_time),
+Front -> replica: ("add", request_id, prompt_token_ids, sampling_params, arrival_time, lora_request),
 ("abort", [request_ids]), ("finish", request_id, index, stop_string), ("stop",). Replica ->
 front: ("ready", max_model_len, stats) once, then ("step", core_outputs, stats) after every step,
 ("rejected", request_id, message) for a request its core refused, and ("error", message) just
@@ -46,9 +46,9 @@ def serve(core, conn: Connection) -> None:
             if msg[0] == "finish":  # the front found a stop string
                 core.finish_choice(*msg[1:])
                 continue
-            _, request_id, ids, params, arrival_time = msg
+            _, request_id, ids, params, arrival_time, lora_request = msg
             try:
-                core.add_request(request_id, ids, params, arrival_time=arrival_time)
+                core.add_request(request_id, ids, params, arrival_time=arrival_time, lora_request=lora_request)
             except Exception as e:  # the front validated the prompt: this is unexpected, but only this request's
                 logger.exception("add_request failed for request %s", request_id)
                 conn.send(("rejected", request_id, f"{type(e).__name__}: {e}"))

@@ -30,13 +30,17 @@ class AttentionMetadata:
 class ForwardContext:
     attn: AttentionMetadata
     backend: kernels.Backend  # resolved once by the model runner at start-up
+    # LoRA: each token's adapter slot (-1: the base model), int32 [tokens]; None when no token of the
+    # step runs an adapter (engine/layers/lora.py).
+    lora_slots: torch.Tensor | None = None
 
 
 _local = threading.local()
 
 
-def set_forward_context(attn: AttentionMetadata, backend: kernels.Backend) -> None:
-    _local.context = ForwardContext(attn, backend)
+def set_forward_context(attn: AttentionMetadata, backend: kernels.Backend,
+                        lora_slots: torch.Tensor | None = None) -> None:
+    _local.context = ForwardContext(attn, backend, lora_slots)
 
 
 def get_forward_context() -> ForwardContext:
@@ -50,9 +54,9 @@ def reset_forward_context() -> None:
 
 
 @contextlib.contextmanager
-def forward_context(attn: AttentionMetadata, backend: kernels.Backend):
+def forward_context(attn: AttentionMetadata, backend: kernels.Backend, lora_slots: torch.Tensor | None = None):
     """set_forward_context for the duration of a `with` block."""
-    set_forward_context(attn, backend)
+    set_forward_context(attn, backend, lora_slots)
     try:
         yield
     finally:

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.distributed.state import tp_all_reduce, tp_state
 from engine.layers.context import get_forward_context
+from engine.layers.lora import LoRAWeights
 from engine.quant import BlockFormat, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class _Linear(nn.Module):
     packed_weight = None  # set by pack_weights
+    lora: LoRAWeights | None = None  # adapter slots, set where LoRA serving is on (engine/runner/lora_slots.py)
     quant_format: BlockFormat | None = None  # set by quantize_weight
     activations: str | None = None  # "int16" / "int8": the cpu backend quantizes them (the runner sets it)
 
@@ -137,10 +139,25 @@ class _Linear(nn.Module):
         self.quant_format = fmt
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        backend = get_forward_context().backend
+        context = get_forward_context()
+        backend = context.backend
         if self.quant_format is not None:
-            return self.quant_format.linear(x, self.weight, bias, backend.name, self.activations, self.packed_weight)
-        return backend.linear(x, self.weight, bias, self.packed_weight)
+            y = self.quant_format.linear(x, self.weight, bias, backend.name, self.activations, self.packed_weight)
+        else:
+            y = backend.linear(x, self.weight, bias, self.packed_weight)
+        if self.lora is not None and context.lora_slots is not None:  # before a row-parallel reduction: B A x
+            self.lora.add_to(y, x, context.lora_slots, backend)  # is linear in this rank's share of x
+        return y
+
+    def lora_slices(self) -> tuple[int, ...]:
+        """This rank's output rows of each LoRA part (a fused projection has one per checkpoint module)."""
+        raise NotImplementedError
+
+    def lora_shard(self, shard_id, a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(part, this rank's A, this rank's B) of checkpoint module `shard_id`'s adapter matrices
+        A [r, in] and B [out, r]: what the base weight's shard needs (column-parallel: B's rows)."""
+        part, offset, size, start = self.output_rows(shard_id)
+        return part, a, b.narrow(0, start, size)
 
 
 class ColumnParallelLinear(_Linear):
@@ -151,12 +168,21 @@ class ColumnParallelLinear(_Linear):
         tp = tp_state()
         assert out_features % tp.size == 0, f"{out_features} output features do not split over {tp.size} ranks"
         self.out_per_rank = out_features // tp.size
+        self.in_features = in_features
         self.weight = _param(self.out_per_rank, in_features, loader=self.weight_loader)
         self.bias = _param(self.out_per_rank, loader=self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        rank = tp_state().rank
-        copy_rows(param, 0, self.out_per_rank, loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
+    def output_rows(self, shard_id=None) -> tuple[int, int, int, int]:
+        """(part, first row in this rank's weight, rows, first row in the checkpoint tensor) of
+        checkpoint module `shard_id` (one module: the whole output)."""
+        return 0, 0, self.out_per_rank, tp_state().rank * self.out_per_rank
+
+    def lora_slices(self) -> tuple[int, ...]:
+        return (self.out_per_rank,)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _, offset, size, start = self.output_rows(shard_id)
+        copy_rows(param, offset, size, loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -169,11 +195,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def output_rows(self, shard_id: int) -> tuple[int, int, int, int]:
         tp = tp_state()
         size = self.out_sizes[shard_id] // tp.size
-        offset = sum(self.out_sizes[:shard_id]) // tp.size
-        copy_rows(param, offset, size, loaded.narrow(0, tp.rank * size, size))
+        return shard_id, sum(self.out_sizes[:shard_id]) // tp.size, size, tp.rank * size
+
+    def lora_slices(self) -> tuple[int, ...]:
+        return tuple(s // tp_state().size for s in self.out_sizes)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -195,19 +223,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
         super().__init__(hidden, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def output_rows(self, shard_id: str) -> tuple[int, int, int, int]:
         tp = tp_state()
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, tp.rank * q_size
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size = kv_size
-            # Which KV head serves this rank's query heads: rank // (ranks per KV head).
-            kv_head = (tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size
-                       else tp.rank * self.num_kv_heads)
-            start = kv_head * self.head_dim
-        copy_rows(param, offset, size, loaded.narrow(0, start, size))
+            return 0, 0, q_size, tp.rank * q_size
+        # Which KV head serves this rank's query heads: rank // (ranks per KV head).
+        kv_head = (tp.rank * self.total_kv_heads // tp.size if self.total_kv_heads < tp.size
+                   else tp.rank * self.num_kv_heads)
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return "qkv".index(shard_id), offset, kv_size, kv_head * self.head_dim
+
+    def lora_slices(self) -> tuple[int, ...]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return q_size, kv_size, kv_size
 
 
 class RowParallelLinear(_Linear):
@@ -221,6 +250,7 @@ class RowParallelLinear(_Linear):
         self.reduce_results = reduce_results
         assert in_features % tp.size == 0, f"{in_features} input features do not split over {tp.size} ranks"
         self.in_per_rank = in_features // tp.size
+        self.out_features = out_features
         self.weight = _param(out_features, self.in_per_rank, loader=self.weight_loader)
         # The bias is added once, after the reduction (on every rank, identically).
         self.bias = _param(out_features, loader=default_weight_loader) if bias else None
@@ -228,6 +258,13 @@ class RowParallelLinear(_Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         rank = tp_state().rank
         copy_rows(param, 0, param.shape[0], loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
+
+    def lora_slices(self) -> tuple[int, ...]:
+        return (self.out_features,)
+
+    def lora_shard(self, shard_id, a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Row-parallel: A's input columns of this rank; each rank adds B A x of its share of x."""
+        return 0, a.narrow(1, tp_state().rank * self.in_per_rank, self.in_per_rank), b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)

@@ -125,7 +125,7 @@ class CpuFusedLayers:
         """(hidden, residual) after every layer, or None where the modules must run instead."""
         context = get_forward_context()
         meta = context.attn
-        if context.backend.name != "cpu" or not self._takes(hidden, meta):
+        if context.backend.name != "cpu" or context.lora_slots is not None or not self._takes(hidden, meta):
             return None
         if self._bound_to is not self.layers[0].self_attn.attn.k_cache:
             self._bind()

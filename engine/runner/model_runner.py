@@ -33,6 +33,7 @@ from engine.quant import activations
 from engine.runner.cpu_threads import LoadFollower, check_openmp_spin, usable_cpus
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.host_memory import keep_freed_memory
+from engine.runner.lora_slots import AdapterSlots
 from engine.runner import kv_sizing
 from engine.runner.runner_streams import CachedRequestState
 from engine.runner.sampler import Sampler
@@ -119,6 +120,7 @@ class StepBatch:
     pool_ends: list  # embedding requests: the row that finishes one
     graph_size: int | None  # the padded batch of a CUDA graph (or its CPU emulation); None: eager
     meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
+    lora: bool = False  # some token runs an adapter: lora_slots are staged (such a step runs eagerly)
 
 
 class ModelRunner:
@@ -171,6 +173,7 @@ class ModelRunner:
         pack_experts(self.model, self.backend.pack_moe_weights)
         self._quantized_activations(source)
         self._fuse_cpu_layers()
+        self.adapters = AdapterSlots(self.model, hf, config, self.dtype, self.device) if config.enable_lora else None
         if self.threads is not None:  # helpers on shared CPUs join the C++ kernels' loops: worth it where
             # those hold the matmuls (engine/runner/cpu_threads.py)
             self.threads.kernel_matmuls = self.backend.name == "cpu" and any(
@@ -367,6 +370,8 @@ class ModelRunner:
         sample_rows, sample_streams, prompt_rows = [], [], []
         verify_rows, verify_streams = [], []
         pool_chunks, pool_ends = [], []  # embedding requests: rows to sum (mean), rows that finish one
+        adapters = {}  # LoRA: the step's adapters by id, and (adapter id, tokens) per sequence
+        adapter_runs = []
         children: dict[str, list[CachedRequestState]] = {}
         for parent, child in sched.forks:
             children.setdefault(parent, []).append(self.requests[child.req_id])
@@ -389,6 +394,9 @@ class ModelRunner:
                     slots += range(base + max(start - b * bs, 0), base + min(end - b * bs, bs))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
+            if state.lora_request is not None:
+                adapters[state.lora_request.lora_int_id] = state.lora_request
+            adapter_runs.append((state.lora_request.lora_int_id if state.lora_request is not None else 0, n))
             rows.append(self.inputs.table_row(state))
             width = max(width, len(blocks))
             if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
@@ -410,7 +418,7 @@ class ModelRunner:
                     sample_streams.append(s)
         num_tokens, num_seqs = len(ids), len(seq_lens)
         graph_size = None
-        if num_tokens == num_seqs and not prompt_rows and not pool_chunks and not pool_ends:
+        if num_tokens == num_seqs and not prompt_rows and not pool_chunks and not pool_ends and not adapters:
             graph_size = self.graphs.padded_size(max(num_seqs, len(sample_rows)))
         if graph_size is not None:
             padded_tokens = padded_seqs = graph_size
@@ -419,8 +427,11 @@ class ModelRunner:
             padded_tokens, padded_seqs = self.backend.padded_num_tokens(num_tokens), num_seqs
         self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows + verify_rows,
                           padded_tokens, padded_seqs)
+        if adapters:
+            slot_of = {**self.adapters.slots(adapters), 0: -1}
+            self.inputs.stage_lora_slots([slot_of[a] for a, n in adapter_runs for _ in range(n)], padded_tokens)
         return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, verify_streams, prompt_rows,
-                         pool_chunks, pool_ends, graph_size)
+                         pool_chunks, pool_ends, graph_size, lora=bool(adapters))
 
     def _forward(self, step: StepBatch) -> tuple:
         """Queue the step on the device: its inputs (one copy), then the graph replay or the eager
@@ -445,7 +456,8 @@ class ModelRunner:
         )
         step.meta.plan = self.backend.plan_attention(step.meta.block_tables, step.meta.query_start_loc,
                                                      step.meta.seq_lens, self.block_size)
-        with forward_context(step.meta, self.backend):
+        lora_slots = inputs.view("lora_slots", n) if step.lora else None
+        with forward_context(step.meta, self.backend, lora_slots):
             hidden, residual = self.model(inputs.view("input_ids", n), inputs.view("positions", n))
             logits, prompt_logits = None, []
             if self.last_stage:

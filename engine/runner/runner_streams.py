@@ -22,6 +22,7 @@ class CachedRequestState(TokenSequence):
         self.prompt_token_ids = new.prompt_token_ids
         self.output_token_ids = list(new.output_token_ids)
         self.sampling_params = new.sampling_params
+        self.lora_request = new.lora_request
         self.block_ids = list(new.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.generator: torch.Generator | None = None

@@ -39,7 +39,9 @@ class StepInputs:
                   # a row per sequence, or per token of a speculating one (its verify rows)
                   ("sample_rows", torch.int64, (max(max_num_seqs, max_num_tokens),)),
                   ("input_ids", torch.int64, (max_num_tokens,)), ("positions", torch.int64, (max_num_tokens,)),
-                  ("slot_mapping", torch.int64, (max_num_tokens,)), ("table_updates", torch.int32, (max_updates, 2)))
+                  ("slot_mapping", torch.int64, (max_num_tokens,)),
+                  ("lora_slots", torch.int32, (max_num_tokens,)),  # each token's adapter slot, on LoRA steps
+                  ("table_updates", torch.int32, (max_updates, 2)))
         offsets, nbytes = {}, 0
         for name, dtype, shape in fields:
             offsets[name] = nbytes
@@ -159,6 +161,12 @@ class StepInputs:
             a["table_rows"][s:num_padded_seqs] = 0
         if num_padded_seqs > k:
             a["sample_rows"][k:num_padded_seqs] = 0
+
+    def stage_lora_slots(self, slots: list[int], num_padded_tokens: int) -> None:
+        """A LoRA step's per-token adapter slots (after stage(): padding tokens run no adapter)."""
+        a = self._np["lora_slots"]
+        a[:len(slots)] = slots
+        a[len(slots):num_padded_tokens] = -1
 
     def upload(self) -> None:
         """Queue the staged step on the device: one non-blocking copy of the staging buffer's
