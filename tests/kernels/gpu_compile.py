@@ -2,10 +2,11 @@
 
 Run as a script in a process without TRITON_INTERPRET (the test does that): the interpreter
 accepts programs the GPU compiler rejects, so CPU-only machines also build the real binaries.
-Each launch kernels/triton_ops.py, triton_moe.py, triton_quant.py and triton_quant_packed.py make is recorded instead of
-run, then compiled with the same arguments, constexprs, specialisations and launch options. The
-start-up warm-up (triton_ops.warmup) is recorded too; `--all-warmup-variants` records every
-variant it compiles on a GPU instead (slow). Prints one line per binary; exits non-zero on failure.
+Each launch kernels/triton_ops.py, triton_moe.py, triton_quant.py, triton_quant_packed.py and
+triton_lora.py make is recorded instead of run, then compiled with the same arguments, constexprs,
+specialisations and launch options. The start-up warm-up (triton_ops.warmup) is recorded too;
+`--all-warmup-variants` records every variant it compiles on a GPU instead (slow). Prints one line
+per binary; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_moe, triton_ops, triton_quant, triton_quant_packed
+from kernels import triton_lora, triton_moe, triton_ops, triton_quant, triton_quant_packed
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                  torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
@@ -73,12 +74,12 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
     """The launches of a decode batch (with and without split-KV), a prefill, a KV store, an MoE
     layer's two grouped GEMMs at decode and prefill tiles and its SiLU-and-mul, the weight-only
     matmul on each block format (GGUF's and fp8's; decode with split-K, int8's and int4's formats
-    at the prefill tiles too), and the start-up warm-up of a Llama-3.2-1B shape at a short max_model_len (no split
-    counts; the fused norm, rotary + KV store and SiLU-and-mul), also with an fp8 cache (Hopper only:
-    Ampere has no e4m3 conversions, kernels.fp8_kv_cache_error). With all_warmup_variants, instead
-    the warm-ups of the 1B shape at 8k context (every tile and split count on an H100's 132 SMs)
-    and of a Qwen3 shape (q/k norms on head-strided rows): what a GPU compiles at start-up, many
-    more binaries."""
+    at the prefill tiles too), the LoRA shrink and expand, and the start-up warm-up of a
+    Llama-3.2-1B shape at a short max_model_len (no split counts; the fused norm, rotary + KV store
+    and SiLU-and-mul), also with an fp8 cache (Hopper only: Ampere has no e4m3 conversions,
+    kernels.fp8_kv_cache_error). With all_warmup_variants, instead the warm-ups of the 1B shape at
+    8k context (every tile and split count on an H100's 132 SMs) and of a Qwen3 shape (q/k norms
+    on head-strided rows): what a GPU compiles at start-up, many more binaries."""
     calls = []
     names = ("paged_attention_kernel", "split_reduce_kernel", "write_kv_kernel", "rms_norm_kernel",
              "rotary_write_kv_kernel", "silu_and_mul_kernel")
@@ -90,6 +91,8 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
         setattr(triton_quant, name, Recorder(getattr(triton_quant, name), calls))
     for name in ("gemv_kernel", "dot_kernel"):
         setattr(triton_quant_packed, name, Recorder(getattr(triton_quant_packed, name), calls))
+    for name in ("lora_shrink_kernel", "lora_expand_kernel"):
+        setattr(triton_lora, name, Recorder(getattr(triton_lora, name), calls))
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
     llama_1b = dict(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16, max_model_len=8192,
@@ -139,6 +142,14 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
             odd = triton_quant_packed.pack(torch.zeros_like(blocks[:45]), fmt)
             triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd)
             triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd, num_splits=1)
+    # A 1B model's fused q/k/v projection under rank-16 adapters (3 unequal slices), and an odd rank on
+    # a plain one: the token count is the grid, so these are every binary a step of these shapes uses.
+    slots = torch.zeros(8, dtype=torch.int32)
+    for rank, out_slices in ((16, (2048, 512, 512)), (7, (2048,))):
+        x = torch.empty(8, 2048, dtype=torch.bfloat16)
+        buf = triton_lora.lora_shrink(x, torch.empty(4, len(out_slices) * rank, 2048, dtype=torch.bfloat16), slots)
+        lora_b = torch.empty(4, sum(out_slices), rank, dtype=torch.bfloat16)
+        triton_lora.lora_expand(torch.empty(8, sum(out_slices), dtype=torch.bfloat16), buf, lora_b, slots, out_slices)
     triton_ops.warmup(**dict(llama_1b, max_model_len=256))
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None:
