@@ -290,7 +290,8 @@ def attention_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_s
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, max_model_len: int,
            dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: torch.dtype | None = None,
            hidden_size: int | None = None, intermediate_sizes: tuple[int, ...] = (), qk_norm: bool = False,
-           index_dtype: torch.dtype = torch.int32, slot_mapping_dtype: torch.dtype = torch.int64) -> int:
+           index_dtype: torch.dtype = torch.int32, slot_mapping_dtype: torch.dtype = torch.int64,
+           attention_features: tuple[tuple[int | None, float | None], ...] = ((None, None),)) -> int:
     """Compile, at start-up, every kernel variant a step of this model can launch, so that no
     request waits on Triton's compiler (about a second a variant) mid-serving: attention at every
     tile and split count (attention_variants), rotary + KV store, and with hidden_size /
@@ -298,7 +299,9 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     Head counts are this rank's. Runs each once on a one-token batch laid out as the model lays
     its tensors out (queries and keys as views of the fused qkv projection, or concatenated after
     Qwen3's q/k norms), so Triton specialises it exactly as it will the real launches; batch sizes
-    and metadata alignment are not specialised (do_not_specialize). Returns the launches made."""
+    and metadata alignment are not specialised (do_not_specialize). `attention_features`: each
+    (sliding_window, logits_soft_cap) pair the model's layers attend with (each is its own variant).
+    Returns the launches made."""
     dev = torch.device(device)
     kv_cache_dtype = kv_cache_dtype or dtype
     launches = 0
@@ -322,9 +325,10 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     seq_lens = torch.ones(1, dtype=index_dtype, device=dev)
     for tile, num_splits in attention_variants(num_heads, num_kv_heads, head_dim, block_size, max_model_len,
                                                _num_sms(dev), k_cache.element_size(), _smem_bytes(dev)):
-        paged_attention(qk[:, :num_heads], k_cache, v_cache, block_tables, query_start_loc, seq_lens, 1.0,
-                        num_splits=num_splits, config=tile)
-        launches += 1 if num_splits == 1 else 2
+        for window, cap in attention_features:
+            paged_attention(qk[:, :num_heads], k_cache, v_cache, block_tables, query_start_loc, seq_lens, 1.0,
+                            num_splits=num_splits, config=tile, sliding_window=window, logits_soft_cap=cap)
+            launches += 1 if num_splits == 1 else 2
 
     if hidden_size is not None:
         x = torch.zeros(1, hidden_size, dtype=dtype, device=dev)

@@ -238,7 +238,7 @@ class ModelRunner:
                                      block_size=self.block_size, max_model_len=self.max_model_len, dtype=self.dtype,
                                      device=self.device, kv_cache_dtype=self.kv_dtype,
                                      hidden_size=self.model.config.hidden_size, intermediate_sizes=tuple(sorted(ffn)),
-                                     qk_norm=attn.qk_norm)
+                                     qk_norm=attn.qk_norm, attention_features=self._attention_features())
         # Quantized linears (kernels/triton_quant.py on GGUF blocks, triton_quant_packed.py on their
         # repacked copies): every tile and K split up to a full token budget.
         from engine.layers.linear import RowParallelLinear
@@ -258,6 +258,12 @@ class ModelRunner:
         launches += triton_quant_packed.warmup(packed, self.dtype, self.device, budget)
         logger.info("Triton kernels compiled for every step shape: %d launches, %.1f s", launches,
                     time.perf_counter() - start)
+
+    def _attention_features(self) -> tuple:
+        """Each (sliding window, soft cap) some layer attends with: one Triton variant each (Gemma's
+        window layers and full layers differ)."""
+        return tuple(dict.fromkeys((layer.self_attn.attn.sliding_window, layer.self_attn.attn.logits_soft_cap)
+                                   for layer in self.model.layers()))
 
     def _graphs_off(self) -> str | None:
         """Why decode steps cannot be captured here (None: they are)."""
