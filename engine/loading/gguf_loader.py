@@ -23,6 +23,8 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from transformers import (
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MixtralConfig,
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 # GGUF `general.architecture` -> (config class, HF architecture name).
 # llama.cpp writes Mistral and SmolLM2 as "llama" too.
 _ARCHITECTURES = {
+    "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "phi3": (Phi3Config, "Phi3ForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
@@ -74,6 +78,10 @@ _BLOCK_NAMES = {
 }
 # Phi-3 keeps q/k/v and gate/up fused, as its checkpoints do (engine/models/phi3.py splits them).
 _PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP there, not after attention.
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Tensors llama.cpp stores that are config here, not weights: Phi-3's LongRoPE factors.
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -82,7 +90,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def _hf_name(gguf_name: str, model_type: str = "llama") -> str:
     if m := _BLOCK_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        block_names = _PHI3_BLOCK_NAMES if model_type == "phi3" else _BLOCK_NAMES
+        block_names = (_PHI3_BLOCK_NAMES if model_type == "phi3" else
+                       _GEMMA_BLOCK_NAMES if model_type in _GEMMA_TYPES else _BLOCK_NAMES)
         if part in block_names:
             return f"model.layers.{layer}.{block_names[part]}.{kind}"
     else:
@@ -162,6 +171,8 @@ class GGUFModel:
                     w = _unpermute_rotary(w, cfg.num_attention_heads)
                 elif ".k_proj." in name:
                     w = _unpermute_rotary(w, cfg.num_key_value_heads)
+            if cfg.model_type in _GEMMA_TYPES and name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp's converter stores Gemma's norm scales as 1 + w; the model adds the 1
             if name in native:
                 blocks = torch.from_numpy(np.array(w, dtype=np.uint8))
                 yield name, QuantizedTensor(blocks, AS_STORED[t.tensor_type.name])
@@ -212,6 +223,26 @@ def _phi3_fields(reader: GGUFHeader | GGUFReader, names: dict, head_dim: int) ->
                                   "short_factor": names["rope_factors_short.weight"].data.tolist()}
         if (attention := _field(reader, "phi3.rope.scaling.attn_factor")) is not None:
             fields["rope_scaling"]["attention_factor"] = attention
+    return fields
+
+
+def _gemma_fields(reader: GGUFHeader | GGUFReader, arch: str, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict:
+    """Gemma's config fields as llama.cpp reads them: the caps and the window from the file; what its
+    converter leaves out as llama.cpp fixes it. The query scale is 1/sqrt(head_dim), but
+    1/sqrt(hidden / heads) for the 27B models (46 layers in Gemma 2, 62 in Gemma 3); Gemma 3's window
+    layers are five of six and rotate with base 10000, unless the file says otherwise."""
+    fields = dict(sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+                  query_pre_attn_scalar=hidden // heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None or arch == "gemma3":  # Gemma 2's defaults are llama.cpp's too
+            fields[key] = value
+    if arch == "gemma3":
+        pattern = _field(reader, "gemma3.attention.sliding_window_pattern", 6)
+        fields["layer_types"] = ["sliding_attention" if (pattern[i] if isinstance(pattern, list) else (i + 1) % pattern)
+                                 else "full_attention" for i in range(layers)]
+        fields["rope_local_base_freq"] = _field(reader, "gemma3.rope.freq_base_swa", 10000.0)
     return fields
 
 
@@ -292,11 +323,15 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFModel
                          "files, Mixtral's (architecture 'llama' with llama.expert_count) is")
     phi3 = _phi3_fields(reader, names, head_dim or meta("embedding_length") // meta("attention.head_count")) \
         if arch == "phi3" else {}
+    gemma = _gemma_fields(reader, arch, meta("embedding_length"), meta("attention.head_count"),
+                          head_dim or meta("embedding_length") // meta("attention.head_count"),
+                          meta("block_count")) if arch in ("gemma2", "gemma3") else {}
     rope_scaling = phi3.pop("rope_scaling", None) or _rope_scaling(reader, arch)
     config = config_cls(
         architectures=[hf_arch],
         **experts,
         **phi3,
+        **gemma,
         # token_embd's row count is the vocab the weights have; `{arch}.vocab_size` is often absent.
         vocab_size=int(names["token_embd.weight"].shape[1]),
         hidden_size=meta("embedding_length"),

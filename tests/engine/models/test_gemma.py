@@ -41,20 +41,21 @@ MODELS = {
 }
 
 
-def build_tiny_gemma(path, name: str, seed: int = 0) -> str:
+def build_tiny_gemma(path, name: str, seed: int = 0, **overrides) -> str:
     """A random float32 Gemma model and the test tokenizer in `path`. transformers starts the norms at 0
     (a scale of 1 + 0): random ones check each norm's place and its + 1; embeddings scaled down so that
     the layers, not the last token's scaled embedding, choose the next token (the tied head, scaled down
-with them, is scaled up again by the final norm)."""
+    with them, is scaled up again by the final norm)."""
     import transformers
 
     tokenizer = build_tokenizer()
     config_class, fields = MODELS[name]
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        max_position_embeddings=256, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+    args = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                sliding_window=WINDOW, max_position_embeddings=256, initializer_range=0.2,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, **fields)
+    config = getattr(transformers, config_class)(**{**args, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -218,3 +219,63 @@ def test_transformers_4_gemma3_fields_give_each_layer_type_its_rotary():
     local, full = (rope_settings(rope_config(old, kind)) for kind in ("sliding_attention", "full_attention"))
     assert (local[0], local[1]["rope_type"]) == (1e4, "default")
     assert (full[0], full[1]["rope_type"], full[1]["factor"]) == (1e6, "linear", 8.0)
+
+
+def _write_gemma_gguf(path, folder: str, arch: str) -> None:
+    """A Gemma folder as llama.cpp's converter writes it (convert_hf_to_gguf.py, Gemma2Model / Gemma3Model):
+    the caps and the window as metadata, no query scale (llama.cpp derives it), Gemma 3's global rotary
+    base and linear factor, every norm's weight stored + 1, no lm_head (tied). The window layers are
+    written as a per-layer pattern (sliding_window_pattern), as newer converters write it."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        full = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in c.layer_types])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for hf_name, t in load_file(f"{folder}/model.safetensors").items():
+        if hf_name == "lm_head.weight":
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        data = t.numpy() + 1 if base.endswith("norm") else t.numpy()
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_serves_the_checkpoint_it_came_from(name, tmp_path):
+    """A float GGUF written from a checkpoint serves transformers' greedy tokens for that checkpoint (whose
+    query scale is 1/sqrt(head_dim), as llama.cpp takes it for every size but 27B)."""
+    folder = build_tiny_gemma(tmp_path / "hf", name, seed=1, query_pre_attn_scalar=16)
+    path = tmp_path / f"{name}.gguf"
+    _write_gemma_gguf(path, folder, name)
+    llm = LLM(str(path), tokenizer=folder, device="cpu", dtype="float32", num_kv_blocks=16, block_size=16,
+              max_model_len=128, max_num_batched_tokens=16)
+    assert llm.engine.runner.hf_config.model_type == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[name]
+    prompts = _prompts(1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, MAX_TOKENS) for p in prompts]
