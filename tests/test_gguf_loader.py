@@ -215,7 +215,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError,
-                       match=r"'gpt2'.*supported GGUF architectures: \['llama', 'phi3', 'qwen2', 'qwen3'\]"):
+                       match=r"'gpt2'.*supported GGUF architectures: \['gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"):
         load_gguf(path)
 
 
