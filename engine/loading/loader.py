@@ -104,6 +104,7 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
 
     with open(os.path.join(path, "config.json")) as f:
         config_json = json.load(f)
+    from engine.models.registry import TEXT_CONFIG_TYPES
     from engine.models.support import check_supported
 
     if trust_remote_code:
@@ -111,6 +112,8 @@ def resolve_model(path: str | None, tokenizer_path: str | None = None,
     check_supported(config_json)  # fail early, naming what is served
     prequantized = _check_folder_quantization(path, quantization, config_json)
     hf_config = AutoConfig.from_pretrained(path)
+    if config_json.get("model_type") in TEXT_CONFIG_TYPES:
+        hf_config = hf_config.get_text_config()  # its language model is what is served
     tokenizer = _load_tokenizer(tokenizer_path or path)
     _set_chat_template(tokenizer, chat_template)
     method = prequantized.method if prequantized is not None else quantization

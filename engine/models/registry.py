@@ -20,6 +20,10 @@ MODEL_REGISTRY = {
     "qwen3_moe": MoeForCausalLM,
 }
 
+# A multimodal model_type whose language model is served, text only: its config's text_config is the
+# model's config (its checkpoint's language-model tensors load, the vision tower's are skipped).
+TEXT_CONFIG_TYPES = {"gemma3": "gemma3_text"}
+
 
 def model_class(model_type: str):
     try:

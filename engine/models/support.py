@@ -5,7 +5,7 @@ naming it, never served as a silent wrong answer."""
 from __future__ import annotations
 
 from engine.layers.rotary import SUPPORTED_ROPE_TYPES
-from engine.models.registry import MODEL_REGISTRY
+from engine.models.registry import MODEL_REGISTRY, TEXT_CONFIG_TYPES
 
 
 class UnsupportedModelError(ValueError):
@@ -61,7 +61,10 @@ FEATURES = [
 
 
 def check_supported(config: dict) -> None:
-    """Raise UnsupportedModelError unless the engine serves this config.json (a dict) as it is."""
+    """Raise UnsupportedModelError unless the engine serves this config.json (a dict) as it is; a
+    TEXT_CONFIG_TYPES model is checked by its text_config, which is what is served."""
+    if config.get("model_type") in TEXT_CONFIG_TYPES:
+        config = {"model_type": TEXT_CONFIG_TYPES[config["model_type"]], **(config.get("text_config") or {})}
     model_type = config.get("model_type")
     if model_type not in MODEL_REGISTRY:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported; the served families are "

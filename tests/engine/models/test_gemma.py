@@ -183,6 +183,10 @@ def test_final_logit_softcap_in_the_logprobs(gemma_models, tmp_path):
     {"model_type": "gemma3_text", "layer_types": ["sliding_attention", "full_attention"],
      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}},
+    # google/gemma-3-4b-it's (multimodal): its text_config is what is checked and served
+    {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "rope_scaling": {"factor": 8.0,
+                                                                                          "rope_type": "linear"}},
+     "vision_config": {"model_type": "siglip_vision_model"}},
 ])
 def test_gemma_configs_pass_the_support_check(config):
     check_supported(config)
@@ -198,6 +202,8 @@ def test_gemma_configs_pass_the_support_check(config):
      r"layer types \['chunked_attention'\]"),
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "bidirectional attention"),
     ({"model_type": "llama", "final_logit_softcapping": 30.0}, "final-logit soft-capping"),
+    ({"model_type": "gemma3", "text_config": {"rope_scaling": {"rope_type": "made-up"}}},
+     "model_type 'gemma3_text' with rope_scaling of type 'made-up'"),
 ])
 def test_what_gemma_does_not_compute_stays_refused(config, refused):
     with pytest.raises(UnsupportedModelError, match=refused):
@@ -279,3 +285,43 @@ def test_gguf_serves_the_checkpoint_it_came_from(name, tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, MAX_TOKENS) for p in prompts]
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (model_type "gemma3", a tiny vision tower beside the text
+    model): its text_config is served and its language model's tensors load, the vision tower's are skipped;
+    greedy tokens are transformers' for text-only prompts on that checkpoint."""
+    import transformers
+
+    text = build_tiny_gemma(tmp_path / "text", "gemma3")
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.AutoConfig.from_pretrained(text).to_dict(),
+                                       vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=500,
+                                       boi_token_index=498, eoi_token_index=499)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    language = transformers.AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32)
+    model.model.language_model.load_state_dict(language.model.state_dict())
+    path = tmp_path / "multimodal"
+    model.save_pretrained(path)
+    shutil.copy(os.path.join(text, "tokenizer.json"), path)
+    shutil.copy(os.path.join(text, "tokenizer_config.json"), path)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=16, max_model_len=128)
+    assert llm.engine.runner.hf_config.model_type == "gemma3_text"
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(str(path), p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["model.language_model.layers.0.mlp.up_proj.weight",  # transformers 5
+                                  "language_model.model.layers.0.mlp.up_proj.weight"])  # 4.x
+def test_both_multimodal_layouts_name_the_language_models_tensors(name, gemma_models):
+    from engine.loading.loader import resolve_model
+    from engine.models.registry import model_class
+
+    cfg = resolve_model(gemma_models("gemma3")).hf_config
+    model = model_class(cfg.model_type)(cfg, max_positions=16)
+    assert model.checkpoint_target(name) == ("model.layers.0.mlp.gate_up_proj.weight", 1)
+    assert model.checkpoint_target("language_model.lm_head.weight") == ("lm_head.weight", None)
