@@ -97,7 +97,7 @@ def _target(model: torch.nn.Module, name: str, params: dict) -> str | None:
     if "rotary_emb" in name or (name == "lm_head.weight" and tied):
         return None
     target, _ = model.checkpoint_target(name)
-    if name == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
+    if target == "model.embed_tokens.weight" and tied and "lm_head.weight" in params:
         target = "lm_head.weight"  # a last pipeline stage's own copy of the tied matrix (it has no embeddings)
     return target if target in params else None
 

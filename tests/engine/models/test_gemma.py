@@ -325,3 +325,18 @@ def test_both_multimodal_layouts_name_the_language_models_tensors(name, gemma_mo
     model = model_class(cfg.model_type)(cfg, max_positions=16)
     assert model.checkpoint_target(name) == ("model.layers.0.mlp.gate_up_proj.weight", 1)
     assert model.checkpoint_target("language_model.lm_head.weight") == ("lm_head.weight", None)
+
+
+@pytest.mark.slow  # two rank processes
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_parallel_ranks_match_transformers(layout, gemma_models):
+    """TP 2 (gloo on the CPU): each rank's query and KV heads with their window and cap, its share of the
+    GeGLU MLP. PP 2: each stage's layers with their rotary tables, the scaled embedding on the first, the
+    final norm, soft-capped logits and the tied head on the last."""
+    path = gemma_models("gemma2")
+    prompts = _prompts()
+    with LLM(path, device="cpu", dtype="float32", num_kv_blocks=32, block_size=16, max_model_len=128, num_threads=1,
+             seed=0, **layout) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
