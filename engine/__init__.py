@@ -11,7 +11,7 @@ bound_openmp_spinning()
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name):
@@ -27,6 +27,10 @@ def __getattr__(name):
         from engine.config import EngineConfig
 
         return EngineConfig
+    if name == "LoRARequest":
+        from engine.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from engine import outputs
 

@@ -65,8 +65,8 @@ VLLM_ONLY_FLAGS = {
     "--tokenizer-mode": "the model's Hugging Face tokenizer is used (--tokenizer for another one)",
     "--distributed-executor-backend": "ranks are processes the engine starts itself (or torchrun's): pass "
                                       "--tensor-parallel-size / --pipeline-parallel-size / --data-parallel-size",
-    "--enable-lora": "LoRA adapters are not served yet",
-    "--lora-modules": "LoRA adapters are not served yet",
+    "--lora-modules": "adapters are named for clients by the server (`engine serve --enable-lora --lora-modules "
+                      "NAME=PATH`); offline, pass LLM.generate(..., lora_request=LoRARequest(name, id, path))",
 }
 
 

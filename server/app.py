@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import engine as engine_pkg
+from server.adapters import ServedAdapters
 from server.auth import APIKeyMiddleware
 from server.content_type import JSONOnlyMiddleware
 from server.errors import InternalErrorMiddleware, install_error_handlers
@@ -19,7 +21,7 @@ from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.openapi import install_openapi
 from server.prompts import PromptTokenizer
-from server.routes import chat, completions, embeddings, info, tokenize
+from server.routes import chat, completions, embeddings, info, lora, tokenize
 from server.tool_calls import ToolConfig
 from server.state import ServerState
 
@@ -34,7 +36,8 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
               allowed_origins: list[str] | None = None, protect_metrics: bool = False,
               exit_on_engine_death: bool = False, tools: ToolConfig | None = None,
-              parse_special_tokens_in_messages: bool = False) -> FastAPI:
+              parse_special_tokens_in_messages: bool = False, lora_modules: list | None = None,
+              runtime_lora: bool = False) -> FastAPI:
     """`engine` is an AsyncEngine (or anything with its interface); it is started by the app's
     lifespan, so the model loads before the first request is accepted.
 
@@ -43,6 +46,8 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
     tools: --enable-auto-tool-choice and --tool-call-parser (server/tool_calls.py).
     parse_special_tokens_in_messages: special-token text from the client is read as control tokens in
     chat prompts (server/prompts.py), as transformers and vLLM do; by default it is plain text.
+    lora_modules: server.adapters.LoRAModule items served by name from the start (each checked with the
+    engine first: a bad one stops the start); runtime_lora: /v1/load_lora_adapter and /v1/unload_lora_adapter.
     exit_on_engine_death: when the engine loop dies (a failed forward, a dead worker), stop the
     server process (SIGTERM to itself) so that a supervisor restarts it; /health says why meanwhile."""
 
@@ -50,11 +55,16 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
     async def lifespan(app: FastAPI):
         await engine.start()
         name = served_model_name or engine.model_name
+        adapters = ServedAdapters(runtime_lora)
+        for module in lora_modules or ():
+            lora = adapters.make(module)
+            await asyncio.to_thread(engine.check_lora, lora)  # a bad adapter stops the start, naming it
+            adapters.add(lora)
         prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len, parse_special_tokens_in_messages)
         app.state.pagewise = ServerState(engine=engine, served_model_name=name,
                                          metrics=ServerMetrics(engine, name),
                                          token_texts=TokenTexts(engine.tokenizer), prompts=prompts,
-                                         tools=tools or ToolConfig())
+                                         tools=tools or ToolConfig(), adapters=adapters)
         if exit_on_engine_death:
             engine.on_death(_exit_for_restart)
         logger.info("engine ready: model %s (max_model_len %d)", name, engine.max_model_len)
@@ -69,7 +79,7 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
                               "vLLM's tokenize and detokenize) "
                               "served by the pagewise engine.")
     install_error_handlers(app)
-    for module in (info, completions, chat, embeddings, tokenize):
+    for module in (info, completions, chat, embeddings, tokenize, lora):
         app.include_router(module.router)
     install_openapi(app)
     # Starlette runs the middleware added last first: a 500 for what no handler took, CORS (answers

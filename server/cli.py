@@ -98,6 +98,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="special-token text in chat messages, tool calls and tool definitions becomes control "
                         "tokens (transformers' and vLLM's behaviour); by default it is plain text, so a message "
                         "cannot forge a turn")
+    g.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served by name with --enable-lora: name=path, or vLLM's JSON "
+                        "form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
+                        "field selects one")
+    g.add_argument("--enable-runtime-lora", action="store_true",
+                   help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
+                        "adapters while serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)")
     add_engine_args(parser)  # every EngineConfig field, generated from the dataclass
     parser.set_defaults(func=serve)
     return parser
@@ -111,6 +119,19 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
+
+
+def _lora_module(text: str):
+    from server.adapters import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--lora-modules ")) from None
+
+
+def _runtime_lora(args: argparse.Namespace) -> bool:
+    return args.enable_runtime_lora or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
 
 
 def _origins(text: str) -> list[str]:
@@ -176,6 +197,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.tool_call_parser == "openai" and args.reasoning_parser not in ("gpt_oss", "openai_gptoss"):
         return _error(ValueError("--tool-call-parser openai reads gpt-oss's harmony messages: add --reasoning-parser "
                                  "gpt_oss, which separates them"))
+    if (args.lora_modules or _runtime_lora(args)) and not args.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--enable-runtime-lora"
+        return _error(ValueError(f"{flag} needs --enable-lora, which sets aside the adapters' slots"))
     if args.enable_reasoning and not args.reasoning_parser:
         return _error(ValueError("--enable-reasoning needs --reasoning-parser (qwen3, deepseek_r1 or gpt_oss): it says "
                                  "how this model marks its reasoning"))
@@ -225,7 +249,8 @@ def _build_server(args: argparse.Namespace, config, api_key: str | None, log_lev
                     allowed_origins=args.allowed_origins, protect_metrics=args.protect_metrics,
                     exit_on_engine_death=True, tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser,
                                                                  args.reasoning_parser),
-                    parse_special_tokens_in_messages=args.parse_special_tokens_in_messages)
+                    parse_special_tokens_in_messages=args.parse_special_tokens_in_messages,
+                    lora_modules=args.lora_modules, runtime_lora=_runtime_lora(args))
     uv_config = uvicorn.Config(app, http=HTTPProtocol, ws="none", log_level=args.uvicorn_log_level or log_level.lower(),
                                timeout_keep_alive=args.timeout_keep_alive,
                                # uvicorn's own backstop, after our drain has aborted what was left

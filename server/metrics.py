@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.frontend.async_engine import EngineOverloadedError
 from engine.outputs import RequestOutput
+from engine.request import LoRARequest
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -80,16 +81,22 @@ class ServerMetrics:
                              labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.finished = Counter("pagewise:requests_finished", "Finished choices by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        self.lora_requests = Counter("pagewise:lora_requests", "Requests finished per LoRA adapter.",
+                                     ["model_name", "lora_name"], registry=self.registry)
+        self.lora_tokens = Counter("pagewise:lora_generation_tokens", "Tokens generated per LoRA adapter.",
+                                   ["model_name", "lora_name"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def track(self, stream: AsyncIterator[RequestOutput], num_choices: int) -> AsyncIterator[RequestOutput]:
+    async def track(self, stream: AsyncIterator[RequestOutput], num_choices: int,
+                    lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Pass outputs through, observing the first token's latency, the gaps between tokens and the
         whole request's from the times the engine stamped on them (so whole outputs count as deltas
         do), and counting how each of its `num_choices` choices ended (stop / length / abort /
-        error) — all of them, even when the client leaves before the first output."""
+        error) — all of them, even when the client leaves before the first output; a request with
+        a LoRA adapter counts for it too."""
         num_tokens = 0
         last = 0.0
         unfinished_reason = "abort"  # what to count if no final output arrives: the client left
@@ -102,10 +109,14 @@ class ServerMetrics:
                         for _ in range(new):  # tokens that came out together share their gap
                             self.itl.observe((when - last) / new)
                     num_tokens, last = num_tokens + new, when
+                    if lora is not None:
+                        self.lora_tokens.labels(self.model_name, lora.lora_name).inc(new)
                 for choice in output.outputs:
                     if choice.finish_reason is not None:
                         self.finished.labels(self.model_name, choice.finish_reason).inc()
                 if output.finished:
+                    if lora is not None:
+                        self.lora_requests.labels(self.model_name, lora.lora_name).inc()
                     unfinished_reason = None
                     if output.arrival_time is not None:
                         self.e2e.observe(time.perf_counter() - output.arrival_time)

@@ -59,12 +59,14 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
 _request_models: list[type[BaseModel]] = []
 
 
-def route_docs(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict:
+def route_docs(request_model: type[BaseModel], response_model: type[BaseModel] | None,
+               media_type: str = "application/json") -> dict:
     """Keyword arguments for a POST route: its JSON body, its 200 (JSON, or server-sent events where
-    the request has `stream`), its errors."""
+    the request has `stream`; a text of `media_type` where there is no response model), its errors."""
     _request_models.append(request_model)
     responses = {code: {"model": ErrorResponse, "description": text} for code, text in ERROR_RESPONSES.items()}
-    responses[200] = {"model": response_model, "description": "the response"}
+    responses[200] = ({"model": response_model, "description": "the response"} if response_model is not None else
+                      {"description": "the response", "content": {media_type: {"schema": {"type": "string"}}}})
     if "stream" in request_model.model_fields:
         responses[200]["description"] += ("; with `stream: true`, server-sent events (`data: <chunk JSON>` lines, "
                                           "then `data: [DONE]`)")

@@ -49,6 +49,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM extra)
+    # return_token_ids (vLLM's): the prompt's ids (a stream's first chunk of a choice) and the choice's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -106,6 +109,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -116,6 +120,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -155,6 +160,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk's output brought
 
 
 class ChatCompletionChunk(BaseModel):
@@ -165,6 +171,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: with each choice's first chunk
 
 
 class ModelCard(BaseModel):
@@ -173,6 +180,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagewise"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from engine.request import LoRARequest
+from server.adapters import ServedAdapters
 from server.errors import APIError, bad_request
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
@@ -23,6 +25,7 @@ class ServerState:
     token_texts: TokenTexts
     prompts: PromptTokenizer
     tools: ToolConfig = field(default_factory=ToolConfig)
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -34,9 +37,18 @@ class ServerState:
         return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.served_model_name!r}",
+        if name is not None and name != self.served_model_name and self.adapters.get(name) is None:
+            served = ", ".join(repr(n) for n in [self.served_model_name, *self.adapters.by_name])
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {served}",
                            param="model", code="model_not_found")
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's model field selects; None: the base model."""
+        return self.adapters.get(name)
+
+    def model_name(self, name: str | None) -> str:
+        """The name a response reports: the adapter's when the request selected one."""
+        return name if self.adapters.get(name) is not None else self.served_model_name
 
     def check_admissible(self, num_prompts: int, n: int) -> None:
         """A request whose sequences (prompts x n) exceed what the engine may ever hold, running

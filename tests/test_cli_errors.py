@@ -21,7 +21,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     (["serve", "--load-format", "auto"], "engine serve: error: --load-format is a vLLM flag with no counterpart "
                                          "here: weights load from the safetensors or .gguf files --model names"),
     (["serve", "--tokenizer-mode=slow"], "--tokenizer-mode is a vLLM flag"),
-    (["generate", "hi", "--enable-lora"], "engine generate: error: --enable-lora is a vLLM flag"),
+    (["generate", "hi", "--lora-modules", "a=b"], "engine generate: error: --lora-modules is a vLLM flag"),
     (["serve", "--no-such-flag"], "engine serve: error: unrecognized arguments: --no-such-flag (`engine serve --help` "
                                   "lists the flags)"),
     (["bench", "serve", "--no-such-flag", "1"], "engine bench serve: error: unrecognized arguments: --no-such-flag 1"),

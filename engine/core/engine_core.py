@@ -13,7 +13,7 @@ import dataclasses
 import logging
 
 from engine.config import EngineConfig
-from engine.core.admission import Limits, check_request
+from engine.core.admission import Limits, check_lora, check_request
 from engine.core.kv_cache import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.loading.loader import ModelSource
@@ -94,6 +94,9 @@ class EngineCore:
 
     def check_request(self, ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         check_request(ids, params, self.limits, lora_request)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        check_lora(lora_request, self.limits)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Free the requests' blocks now; the next step reports each unfinished choice as ended

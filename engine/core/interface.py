@@ -38,6 +38,9 @@ class CoreClient(Protocol):
     def check_request(self, ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         """Raises a RequestError naming the field when the request cannot be served as asked."""
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raises a RequestError naming lora_request when this engine cannot serve the adapter."""
+
     def check_health(self) -> None:
         """Raises when the core cannot step any more (a worker or replica process died)."""
 

@@ -222,6 +222,12 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(_GRAMMAR_CHECKS, self._check_with_grammar,
                                                          prompt_token_ids, params, lora_request)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """A RequestError naming lora_request unless the engine can serve this adapter (reads its
+        folder: call it off the event loop)."""
+        self.check_health()
+        self._core.check_lora(lora_request)
+
     def _check_open(self) -> None:
         if self._shutdown_task is not None and self._dead is None:
             self._counters["num_requests_rejected"] += 1

@@ -21,7 +21,7 @@ import multiprocessing.connection
 import os
 import time
 
-from engine.core.admission import Limits, check_request
+from engine.core.admission import Limits, check_lora, check_request
 from engine.distributed.layout import check_layout
 from engine.executor.procs import ChildProcesses, WorkerDiedError
 from engine.frontend.replica import replica_main
@@ -111,6 +111,9 @@ class DataParallelCore:
 
     def check_request(self, ids: list[int], params, lora_request=None) -> None:
         check_request(ids, params, self.limits, lora_request)
+
+    def check_lora(self, lora_request) -> None:
+        check_lora(lora_request, self.limits)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Each replica reports its aborted requests once more, finished with reason "abort"."""

@@ -11,7 +11,9 @@ from server.protocol.chat import ChatCompletionRequest, ChatMessage, NamedToolCh
 from server.protocol.completions import CompletionRequest
 from server.protocol.embeddings import EmbeddingRequest
 from server.protocol.fields import SERVED_BOUND
+from server.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from server.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["SERVED_BOUND", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
-           "EmbeddingRequest", "NamedToolChoice", "TokenizeRequest", "Tool"]
+           "EmbeddingRequest", "LoadLoRAAdapterRequest", "NamedToolChoice", "TokenizeRequest", "Tool",
+           "UnloadLoRAAdapterRequest"]

@@ -19,7 +19,7 @@ class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions, plus the engine's extras. The
     ranges are SamplingParams' (which checks them for the engine's own callers too)."""
 
-    model: str | None = None  # optional: this server serves one model
+    model: str | None = None  # optional: the served model, or a LoRA adapter it serves by name
     temperature: FloatIn(0, 2) | None = None
     top_p: FloatIn(le=1, gt=0) | None = None
     n: IntIn(1, MAX_N) = 1
@@ -45,6 +45,7 @@ class _SamplingRequest(_Request):
                          Field(max_length=MAX_BAD_WORDS)] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response (vLLM's)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

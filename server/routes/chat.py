@@ -51,8 +51,9 @@ async def create_chat_completion(request: Request):
         params = _reply_params(state, body, plan, prompt.text, params)
 
     request_id = new_id("chatcmpl")
+    lora = state.lora_request(body.model)
     stream = state.metrics.track(state.engine.generate(request_id, prompt.token_ids, params, prompt=prompt.text,
-                                                       delta=body.stream), params.n)
+                                                       delta=body.stream, lora_request=lora), params.n, lora)
     render = _Renderer(state, body, request_id, plan, prompt.text)
     try:
         with engine_errors(renames):
@@ -109,7 +110,7 @@ class _Renderer:
         self.parser = state.tools.parser
         self.reasoning = _reasoning(state, body, prompt_text)
         self.created = int(time.time())
-        self.model = state.served_model_name
+        self.model = state.model_name(body.model)
 
     def _logprobs(self, ids: list[int], positions) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -146,11 +147,13 @@ class _Renderer:
                 ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.token_ids, c.logprobs),
                                       finish_reason=self._finish(bool(calls), c.finish_reason),
-                                      stop_reason=c.stop_reason))
+                                      stop_reason=c.stop_reason,
+                                      token_ids=list(c.token_ids) if self.body.return_token_ids else None))
         usage = self._usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
                             reasoning_tokens)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=usage)
+                                      usage=usage, prompt_token_ids=(list(output.prompt_token_ids)
+                                                                     if self.body.return_token_ids else None))
 
     def _deltas(self, c, st: _ChoiceStream):
         """The DeltaMessages for this piece of a choice's text: its reasoning, then its answer as
@@ -210,9 +213,10 @@ class _Renderer:
         elif not st.called and len(st.text) > st.sent:  # no call after all: the held-back text is content
             yield DeltaMessage(content=st.text[st.sent:])
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
         return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                         usage=usage))
+                                         usage=usage, prompt_token_ids=prompt_token_ids))
 
     async def events(self, stream):
         """Each delta as chunks: the role first, then reasoning_content (with a reasoning parser),
@@ -228,17 +232,21 @@ class _Renderer:
                     completion_tokens += len(c.token_ids)
                     if c.index not in choices:
                         choices[c.index] = _ChoiceStream(parser=self.reasoning.new_parser())
+                        prompt_ids = list(output.prompt_token_ids) if self.body.return_token_ids else None
                         yield self._chunk([ChatStreamChoice(index=c.index,
-                                                            delta=DeltaMessage(role="assistant", content=""))])
+                                                            delta=DeltaMessage(role="assistant", content=""))],
+                                          prompt_token_ids=prompt_ids)
                     st = choices[c.index]
                     st.token_ids += c.token_ids
                     logprobs = self._logprobs(c.token_ids, c.logprobs) if self.plan.mode == "none" else None
+                    ids = list(c.token_ids) if self.body.return_token_ids and c.token_ids else None
                     deltas = list(self._deltas(c, st))
-                    if not deltas and logprobs is not None and c.token_ids:
-                        deltas = [DeltaMessage(content="")]  # text held back: the logprobs go out now
+                    if not deltas and (logprobs is not None or ids) and c.token_ids:
+                        deltas = [DeltaMessage(content="")]  # text held back: the logprobs and ids go out now
                     for i, delta in enumerate(deltas):
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=delta,
-                                                            logprobs=logprobs if i == 0 else None)])
+                                                            logprobs=logprobs if i == 0 else None,
+                                                            token_ids=ids if i == 0 else None)])
                     if c.finish_reason is not None:  # the last chunk of a choice carries finish_reason
                         yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
                                                             finish_reason=self._finish(st.called, c.finish_reason),

@@ -37,8 +37,9 @@ async def create_completion(request: Request):
 
     request_id = new_id("cmpl")
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text, delta=body.stream),
-                                   sp.n)
+    lora = state.lora_request(body.model)
+    streams = [state.metrics.track(state.engine.generate(rid, p.token_ids, sp, prompt=p.text, delta=body.stream,
+                                                         lora_request=lora), sp.n, lora)
                for rid, p, sp in zip(ids, prompts, params)]
     render = _Renderer(state, body, prompts, request_id)
     try:
@@ -63,7 +64,7 @@ class _Renderer:
     def __init__(self, state: ServerState, body: CompletionRequest, prompts: list[Prompt], request_id: str):
         self.state, self.body, self.prompts, self.id = state, body, prompts, request_id
         self.created = int(time.time())
-        self.model = state.served_model_name
+        self.model = state.model_name(body.model)
 
     def _prompt_text(self, i: int) -> str:
         p = self.prompts[i]
@@ -74,8 +75,10 @@ class _Renderer:
         ids = self.prompts[i].token_ids
         return completion_logprobs(ids, prompt_logprobs or [None] * len(ids), self.state.token_texts)
 
-    def _choice(self, i: int, c, text: str, text_offset: int, echo: bool, prompt_logprobs) -> CompletionChoice:
-        """One choice (whole, or the delta of a stream chunk) in OpenAI's completion shape."""
+    def _choice(self, i: int, c, text: str, text_offset: int, echo: bool, prompt_logprobs,
+                first: bool = True) -> CompletionChoice:
+        """One choice (whole, or the delta of a stream chunk: `first` for a choice's first) in OpenAI's
+        completion shape."""
         logprobs = None
         if self.body.logprobs is not None:
             ids = c.token_ids
@@ -86,8 +89,11 @@ class _Renderer:
                 logprobs.text_offset = [o + shift for o in logprobs.text_offset]
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     setattr(logprobs, name, getattr(head, name) + getattr(logprobs, name))
+        ids = {}
+        if self.body.return_token_ids:
+            ids = dict(token_ids=list(c.token_ids), prompt_token_ids=self.prompts[i].token_ids if first else None)
         return CompletionChoice(index=i * self.body.n + c.index, text=text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason, **ids)
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -119,13 +125,15 @@ class _Renderer:
                 for c in output.outputs:
                     idx = i * self.body.n + c.index
                     completion_tokens += len(c.token_ids)
-                    echo = self.body.echo and idx not in next_offset
+                    first = idx not in next_offset
+                    echo = self.body.echo and first
                     # Tokens whose text is still held back (a partial character or stop string)
-                    # send nothing yet, unless the client wants their logprobs now.
-                    if not (c.text or echo or c.finish_reason or (c.token_ids and self.body.logprobs is not None)):
+                    # send nothing yet, unless the client wants their logprobs or ids now.
+                    if not (c.text or echo or c.finish_reason or (c.token_ids and (
+                            self.body.logprobs is not None or self.body.return_token_ids))):
                         continue
                     text = (self._prompt_text(i) if echo else "") + c.text
-                    choice = self._choice(i, c, text, next_offset.get(idx, 0), echo, prompt_logprobs.get(i))
+                    choice = self._choice(i, c, text, next_offset.get(idx, 0), echo, prompt_logprobs.get(i), first)
                     yield event(_chunk(self, [choice]))
                     lp = choice.logprobs
                     next_offset[idx] = (lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens

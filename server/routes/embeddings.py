@@ -34,8 +34,9 @@ async def create_embeddings(request: Request):
     prompts = await state.prompts.completion_prompts(body.input, param="input", generates=False)
     params = SamplingParams(max_tokens=1, pooling=body.pooling)
     request_id = new_id("embd")
+    lora = state.lora_request(body.model)
     streams = [state.metrics.track(state.engine.generate(f"{request_id}-{i}", p.token_ids, params, prompt=p.text,
-                                                         delta=False), 1)
+                                                         delta=False, lora_request=lora), 1, lora)
                for i, p in enumerate(prompts)]
     try:
         with engine_errors({"prompt": "input"}):
@@ -46,7 +47,7 @@ async def create_embeddings(request: Request):
     data = [EmbeddingData(embedding=_encode(out.embedding, body.encoding_format), index=i)
             for i, out in enumerate(finals)]
     tokens = sum(len(p.token_ids) for p in prompts)
-    response = EmbeddingResponse(data=data, model=state.served_model_name,
+    response = EmbeddingResponse(data=data, model=state.model_name(body.model),
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
     return Response(response.model_dump_json(), media_type="application/json")
 

@@ -14,21 +14,27 @@ from server.state import get_state
 router = APIRouter()
 
 
-def _card(request: Request) -> ModelCard:
+def _card(request: Request, name: str | None = None) -> ModelCard:
+    """The base model's card, or the card of adapter `name` (its parent: the base model)."""
     state = get_state(request)
+    lora = state.lora_request(name)
+    if lora is not None:
+        return ModelCard(id=lora.lora_name, created=state.created, root=lora.lora_path,
+                         parent=state.served_model_name, max_model_len=state.max_model_len)
     return ModelCard(id=state.served_model_name, created=state.created, root=state.engine.model_name,
                      max_model_len=state.max_model_len)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return ModelList(data=[_card(request)])
+    adapters = get_state(request).adapters.by_name
+    return ModelList(data=[_card(request), *(_card(request, name) for name in list(adapters))])
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request):
     get_state(request).check_model(model)
-    return _card(request)
+    return _card(request, model)
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers probe with

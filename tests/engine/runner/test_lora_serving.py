@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.request import LoRARequest
+from engine import LLM, LoRARequest, SamplingParams
+
 from tests.engine.lora_adapters import build_adapter, peft_greedy
 from tests.tiny_model import build_tiny_model
 
