@@ -1,6 +1,7 @@
 """Benchmark the cpu backend against the torch reference, op by op, on the same inputs.
 
   python -m kernels.cpu_bench [--dtype bfloat16] [--threads N] [--only MoE] [--output-json out.json] [--plot out.png]
+  python -m kernels.cpu_bench --lora [--dtype bfloat16] [--threads N]
 
 Shapes are the default model's (SmolLM2-135M: 9 query / 3 KV heads of 64, hidden 576, SwiGLU
 1536, vocabulary 49,152) at the batch sizes of the engine's benchmark: decode = 64 sequences,
@@ -11,6 +12,12 @@ brgemm, matmul and blocks). Decode attention runs over as many layers' caches as
 row over MOE_LAYERS layers' weights, so keys, values and expert weights come from memory as they do
 in a real step, not from a warm cache. Each time is the median of repeated runs, the
 two backends' runs interleaved; the table gives both and their ratio (reference / cpu).
+
+--lora times multi-LoRA instead: a decode batch (1 and 32 tokens) over LORA_ADAPTERS adapters of
+rank LORA_RANK, the tokens taking them in turn, on each projection of SmolLM2-135M and of a
+Llama-3.2-1B-sized model (fused q/k/v and gate/up as one shrink and one expand). Each row gives the
+base linear's time (the cpu backend's matmul on its packed weight) and shrink + expand's on each
+backend, as a fraction of that linear, all measured interleaved in the same run.
 """
 
 from __future__ import annotations
@@ -32,6 +39,14 @@ MOE_LAYERS = 12  # the random mixtral-tiny's depth (engine.bench.random_model)
 MOE_SHAPES = {"Mixtral-like": (EXPERTS, TOP_K, EXPERT_FFN, (1, 16, 64, 256, 2048)),
               "Qwen-MoE-like": (64, 8, 256, (16, 256))}
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+LORA_ADAPTERS, LORA_RANK = 4, 16
+# model -> projection -> (in features, out_slices): a fused projection's parts are its slices.
+LORA_SHAPES = {
+    "SmolLM2-135M": {"qkv": (576, (576, 192, 192)), "o": (576, (576,)), "gate/up": (576, (1536, 1536)),
+                     "down": (1536, (576,))},
+    "1B": {"qkv": (2048, (2048, 512, 512)), "o": (2048, (2048,)), "gate/up": (2048, (8192, 8192)),
+           "down": (8192, (2048,))},
+}
 
 
 def median_ms(fns, runs: int) -> list[float]:
@@ -142,6 +157,41 @@ def row_cases(rows: int, dtype, gen) -> dict:
     return out
 
 
+def lora_rows(dtype, runs: int, gen) -> list[dict]:
+    """For each model, token count and projection: the base linear and shrink + expand on each backend."""
+    rows = []
+    for model, projections in LORA_SHAPES.items():
+        for tokens in (1, 32):
+            for projection, (k, out_slices) in projections.items():
+                m = sum(out_slices)
+                weight = (torch.randn(m, k, generator=gen) / k ** 0.5).to(dtype)
+                packed = kernels.pack_linear_weight(weight, backend="cpu")
+                x = torch.randn(tokens, k, generator=gen).to(dtype)
+                n = len(out_slices) * LORA_RANK
+                lora_a = (torch.randn(LORA_ADAPTERS, n, k, generator=gen) / k ** 0.5).to(dtype)
+                lora_b = (torch.randn(LORA_ADAPTERS, m, LORA_RANK, generator=gen) / LORA_RANK ** 0.5).to(dtype)
+                slots = (torch.arange(tokens) % LORA_ADAPTERS).to(torch.int32)
+                y = torch.zeros(tokens, m, dtype=dtype)
+
+                def lora(backend, x=x, lora_a=lora_a, lora_b=lora_b, slots=slots, y=y, out_slices=out_slices):
+                    buf = kernels.lora_shrink(x, lora_a, slots, backend=backend)
+                    kernels.lora_expand(y, buf, lora_b, slots, out_slices, backend=backend)
+                base_ms, cpu_ms, torch_ms = median_ms(
+                    (lambda x=x, w=weight, p=packed: kernels.linear(x, w, None, p),
+                     lambda lora=lora: lora("cpu"), lambda lora=lora: lora("torch")), runs)
+                rows.append({"model": model, "projection": f"{projection} {k} -> {'+'.join(map(str, out_slices))}",
+                             "tokens": tokens, "linear_ms": base_ms, "cpu_ms": cpu_ms, "torch_ms": torch_ms})
+    return rows
+
+
+def print_lora(rows: list[dict]) -> None:
+    print("| model | projection | tokens | linear ms | LoRA cpu ms | cpu / linear | LoRA torch ms | torch / linear |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['projection']} | {r['tokens']} | {r['linear_ms']:.3f} | {r['cpu_ms']:.3f} | "
+              f"{r['cpu_ms'] / r['linear_ms']:.2f} | {r['torch_ms']:.3f} | {r['torch_ms'] / r['linear_ms']:.2f} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.cpu_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -150,11 +200,22 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="time only the ops whose name contains this text (e.g. MoE)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the ratios (needs matplotlib)")
+    p.add_argument("--lora", action="store_true", help="time multi-LoRA shrink + expand against the base linear")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels.resolve_backend("cpu", "cpu")  # builds the C++ kernels now, or says why it cannot
     gen = torch.Generator().manual_seed(0)
+    if args.lora:
+        rows = lora_rows(DTYPES[args.dtype], args.runs, gen)
+        print(f"\ndtype {args.dtype}, threads {torch.get_num_threads()}, median of {args.runs} runs, "
+              f"{LORA_ADAPTERS} adapters of rank {LORA_RANK}\n")
+        print_lora(rows)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump({"dtype": args.dtype, "threads": torch.get_num_threads(), "runs": args.runs, "lora": rows},
+                          f, indent=2)
+        return 0
     rows = []
     selected = {k: v for k, v in cases(DTYPES[args.dtype], gen).items() if args.only is None or args.only in k}
     for name, (ref, cpu) in tqdm(selected.items(), desc="ops"):

@@ -2,8 +2,13 @@
 // adapter slot) and lora_expand (y += buffer @ B^T per output slice, in place). kernels/reference.py
 // defines both; kernels/cpu_lora.py is the Python side. Built on first use by kernels/cpu_build.py
 // (load_lora) with ATen's SIMD types for the CPU capability torch reports, threaded with
-// at::parallel_for over (token, block of output columns): a decode step's few tokens still split
-// across cores, and each work item reads only its token's adapter.
+// at::parallel_for, so that a decode step's few tokens still split across cores:
+//   shrink  work items are (token, 4 rows of A): each row a vectorised dot product over K, the four
+//           sharing each load of x.
+//   expand  work items are blocks of kExpandRows output columns of one slice, the tokens grouped by
+//           slot: a slot's one or two tokens take a dot product of R per column; more share the
+//           block's B rows transposed once, so each token's sums are broadcast FMAs over columns
+//           (no horizontal sums) and B is read from memory once per slot, not once per token.
 //
 // Shapes: x [T, K] (rows contiguous, any row stride), lora_a [S, N, K], token_slots [T] int32
 // (-1: no adapter), buf [T, N] float32, y [T, M] (rows contiguous), lora_b [S, M, R], out_slices with
@@ -143,34 +148,168 @@ struct Block {
   int64_t slice, begin, end;  // output columns [begin, end) of one slice
 };
 
+// Round to T (nearest even, as torch's casts) and store the first n lanes: a whole vector (or, on
+// AVX-512, any part) straight from the register, not through ATen's partial store's buffer.
+template <typename T>
+inline void store_f(T* p, const fVec& v, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (n < kF) return _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+#endif
+    v.store(p, n);
+  } else {
+    const auto half = at::vec::convert_from_float<T>(v, v);  // 2 * kF lanes; the first kF are v's
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i low = _mm512_castsi512_si256(half);
+    if (n == kF) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), low);
+    return _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), low);
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (n == kF) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(half));
+#endif
+    half.store(p, n);
+  }
+}
+
+// v rounded to T and back: the LoRA sum is rounded to y's dtype before the add.
+template <typename T>
+inline fVec round_f(const fVec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// y[0:n] = y + round(sums), rounded to T, as `y += delta.to(y.dtype)`.
+template <typename T>
+inline void add_f(T* y, const fVec& sums, int64_t n) {
+  store_f(y, load_f(y, n) + round_f<T>(sums), n);
+}
+
+// Columns of one block as float rows of B^T: bt[k * kExpandRows + j] = B[col + j, k], for the rows
+// j < n (rows up to the next multiple of kF are zero). B's n rows are one contiguous run of n * r
+// elements: widened to float into tmp first, then each column k of kF rows is one gather.
+template <typename T>
+void transpose_block(const T* rows, int64_t r, int64_t n, float* tmp, float* bt) {
+  const int64_t padded = (n + kF - 1) / kF * kF, count = n * r;
+  int64_t e = 0;
+  for (; e + kF <= count; e += kF) load_f(rows + e).store(tmp + e);
+  if (e < count) load_f(rows + e, count - e).store(tmp + e, count - e);
+  std::fill(tmp + count, tmp + padded * r, 0.f);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  alignas(64) int32_t lanes[kF];
+  for (int64_t j = 0; j < kF; ++j) lanes[j] = static_cast<int32_t>(j * r);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i index = _mm512_load_si512(lanes);
+#else
+  const __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+#endif
+  for (int64_t j = 0; j < padded; j += kF)
+    for (int64_t k = 0; k < r; ++k) {
+#if defined(CPU_CAPABILITY_AVX512)
+      fVec(_mm512_i32gather_ps(index, tmp + j * r + k, 4)).store(bt + k * kExpandRows + j);
+#else
+      fVec(_mm256_i32gather_ps(tmp + j * r + k, index, 4)).store(bt + k * kExpandRows + j);
+#endif
+    }
+#else
+  for (int64_t j = 0; j < padded; ++j)
+    for (int64_t k = 0; k < r; ++k) bt[k * kExpandRows + j] = tmp[j * r + k];
+#endif
+}
+
+constexpr int kTileTokens = 4;                 // tokens of one register tile
+constexpr int64_t kTileVecs = kF >= 16 ? 4 : 2;  // column vectors of one register tile
+
+// TOKENS tokens' sums over up to kTileVecs * kF columns from bt, added to their rows of y.
+template <int TOKENS, typename T>
+inline void expand_tile(const float* bt, int64_t r, const float* const* v, T* const* y, int64_t cols) {
+  fVec acc[TOKENS][kTileVecs];
+  for (int i = 0; i < TOKENS; ++i)
+    for (int64_t c = 0; c < kTileVecs; ++c) acc[i][c] = fVec(0.f);
+  for (int64_t k = 0; k < r; ++k) {
+    fVec b[kTileVecs];
+    for (int64_t c = 0; c < kTileVecs; ++c) b[c] = fVec::loadu(bt + k * kExpandRows + c * kF);
+    for (int i = 0; i < TOKENS; ++i) {
+      const fVec vi(v[i][k]);
+      for (int64_t c = 0; c < kTileVecs; ++c) acc[i][c] = at::vec::fmadd(vi, b[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < TOKENS; ++i)
+    for (int64_t c = 0; c < kTileVecs && c * kF < cols; ++c) add_f(y[i] + c * kF, acc[i][c], std::min(kF, cols - c * kF));
+}
+
+// The slot's tokens order[first .. last) add their slice's buf row times B's rows col .. col + n.
+// One or two tokens take a dot product of R per row; more share B's rows transposed once (bt), so
+// that each token's sums are broadcast FMAs with no horizontal sums, B read once per slot.
+template <typename T>
+void expand_block(T* yp, int64_t stride, const float* buf, int64_t n_buf, const T* b, int64_t r, int64_t col,
+                  int64_t n, int64_t slice, const int64_t* order, int64_t first, int64_t last, float* tmp, float* bt) {
+  const T* rows = b + col * r;
+  if (last - first <= 2) {
+    float sums[kExpandRows];
+    for (int64_t i = first; i < last; ++i) {
+      const float* v = buf + order[i] * n_buf + slice * r;
+      int64_t j = 0;
+      for (; j + kRows <= n; j += kRows) dot_rows<kRows>(rows + j * r, r, v, r, sums + j);
+      for (; j < n; ++j) dot_rows<1>(rows + j * r, r, v, r, sums + j);
+      T* out = yp + order[i] * stride + col;
+      for (j = 0; j < n; j += kF) add_f(out + j, fVec::loadu(sums + j, std::min(kF, n - j)), std::min(kF, n - j));
+    }
+    return;
+  }
+  transpose_block(rows, r, n, tmp, bt);
+  for (int64_t c = 0; c < n; c += kTileVecs * kF) {
+    const int64_t cols = std::min(kTileVecs * kF, n - c);
+    for (int64_t i = first; i < last; i += kTileTokens) {
+      const float* v[kTileTokens];
+      T* y[kTileTokens];
+      const int64_t count = std::min<int64_t>(kTileTokens, last - i);
+      for (int64_t u = 0; u < count; ++u) {
+        v[u] = buf + order[i + u] * n_buf + slice * r;
+        y[u] = yp + order[i + u] * stride + col + c;
+      }
+      switch (count) {
+        case 4: expand_tile<4>(bt + c, r, v, y, cols); break;
+        case 3: expand_tile<3>(bt + c, r, v, y, cols); break;
+        case 2: expand_tile<2>(bt + c, r, v, y, cols); break;
+        default: expand_tile<1>(bt + c, r, v, y, cols);
+      }
+    }
+  }
+}
+
 template <typename T>
 void expand_impl(at::Tensor& y, const at::Tensor& buf, const at::Tensor& lora_b, const int32_t* slots,
                  const std::vector<Block>& blocks) {
-  const int64_t tokens = y.size(0), m = y.size(1), r = lora_b.size(2), n = buf.size(1), stride = y.stride(0);
+  const int64_t tokens = y.size(0), m = y.size(1), r = lora_b.size(2), n_buf = buf.size(1), stride = y.stride(0);
+  const int64_t num_slots = lora_b.size(0);
+  // The tokens grouped by slot (a counting sort; slot -1's are left out): group s is
+  // order[starts[s] .. starts[s + 1]).
+  std::vector<int64_t> starts(num_slots + 1, 0), order;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) ++starts[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
+  order.resize(starts[num_slots]);
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t t = 0; t < tokens; ++t)
+      if (slots[t] >= 0) order[next[slots[t]]++] = t;
+  }
+  if (order.empty()) return;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const T* bp = reinterpret_cast<const T*>(lora_b.data_ptr());
   const float* buf_p = buf.data_ptr<float>();
-  const int64_t count = static_cast<int64_t>(blocks.size());
-  const int64_t grain = std::max<int64_t>(1, kItemWork / (kExpandRows * r));
-  at::parallel_for(0, tokens * count, grain, [&](int64_t begin, int64_t end) {
-    float sums[kRows];
+  const int64_t per_block = kExpandRows * r * static_cast<int64_t>(order.size());
+  const int64_t grain = std::max<int64_t>(1, kItemWork / std::max<int64_t>(per_block, 1));
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(kExpandRows * r), bt(kExpandRows * r);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / count;
-      if (slots[t] < 0) continue;
-      const Block& block = blocks[item % count];
-      const float* v = buf_p + t * n + block.slice * r;
-      const T* b = bp + slots[t] * m * r;
-      T* out = yp + t * stride;
-      for (int64_t col = block.begin; col < block.end; col += kRows) {
-        const int64_t cols = std::min(kRows, block.end - col);
-        if (cols == kRows) {
-          dot_rows<kRows>(b + col * r, r, v, r, sums);
-        } else {
-          for (int64_t i = 0; i < cols; ++i) dot_rows<1>(b + (col + i) * r, r, v, r, sums + i);
-        }
-        // The sum rounded to y's dtype, then added (and rounded) in it, as `y += delta.to(y.dtype)`.
-        for (int64_t i = 0; i < cols; ++i)
-          out[col + i] = static_cast<T>(static_cast<float>(out[col + i]) + static_cast<float>(static_cast<T>(sums[i])));
+      const Block& block = blocks[item];
+      for (int64_t s = 0; s < num_slots; ++s) {
+        if (starts[s] == starts[s + 1]) continue;
+        expand_block(yp, stride, buf_p, n_buf, bp + s * m * r, r, block.begin, block.end - block.begin, block.slice,
+                     order.data(), starts[s], starts[s + 1], tmp.data(), bt.data());
       }
     }
   });
