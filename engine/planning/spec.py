@@ -59,6 +59,12 @@ class Projection(NamedTuple):
     place: str  # ParamTensor.place: "layer", "dense" (a dense MLP) or "moe" (an MoE layer's shared expert)
 
 
+def _window_caps_context(cfg: dict, model_type: str) -> bool:
+    """Whether the config's sliding window caps the served context: it is turned on, and the family's
+    layers do not mask it themselves."""
+    return bool(cfg.get("use_sliding_window", True)) and model_type not in WINDOW_MASKING_TYPES
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -156,8 +162,7 @@ class ModelSpec:
             out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), activation=cfg.get("hidden_act", "silu"),
             attention_dropout=cfg.get("attention_dropout", 0.0),
-            sliding_window=((cfg.get("sliding_window") or None)
-                            if cfg.get("use_sliding_window", True) and model_type not in WINDOW_MASKING_TYPES else None),
+            sliding_window=(cfg.get("sliding_window") or None) if _window_caps_context(cfg, model_type) else None,
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), **moe,
         )
 

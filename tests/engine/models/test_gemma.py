@@ -340,3 +340,17 @@ def test_parallel_ranks_match_transformers(layout, gemma_models):
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_bfloat16_first_tokens_match_transformers_in_bfloat16(name, gemma_models):
+    """In bfloat16 the norms multiply by their float32 (1 + w) before rounding, and the embeddings' scale is
+    rounded to bfloat16 first, as transformers does: first tokens and logprobs agree up to 16-bit noise."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.hf_oracle import assert_first_tokens_close
+
+    path = gemma_models(name)
+    llm = LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=16, max_model_len=128)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert_first_tokens_close(llm, model, _prompts(2) + _prompts(3))
