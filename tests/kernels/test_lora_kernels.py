@@ -144,7 +144,8 @@ def _params():
     for backend in ("torch", "cpu", "triton"):
         for case in CASES:
             tokens, rank, out_slices, _ = case  # the interpreter's time grows with tokens x buffer columns
-            marks = [pytest.mark.slow] if backend == "triton" and tokens * rank * len(out_slices) > 4096 else []
+            slow = backend == "triton" and (tokens >= 300 or tokens * rank * len(out_slices) > 4096)
+            marks = [pytest.mark.slow] if slow else []
             yield pytest.param(backend, *case, marks=marks, id=f"{backend}-{case[0]}tok-r{case[1]}-"
                                f"{len(case[2])}slice-{case[3]}")
 
