@@ -182,6 +182,26 @@ def test_every_adapter_of_eight_in_one_batch(backend):
     assert torch.equal(y.cpu()[token_slots < 0], y0[token_slots < 0])
 
 
+def test_cpu_results_do_not_depend_on_the_thread_count():
+    # Each output is one thread's work in a fixed order, so a team of any size gives the same bits.
+    try:
+        cpu_build.load_lora()
+    except RuntimeError as e:
+        pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+    x, lora_a, lora_b, y0, token_slots = make_case(300, 16, QKV, "mixed", torch.bfloat16)
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            y = y0.clone()
+            buf = kernels.lora_shrink(x, lora_a, token_slots, backend="cpu")
+            kernels.lora_expand(y, buf, lora_b, token_slots, QKV, backend="cpu")
+            outputs.append((buf, y))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
 def test_cpu_rejects_a_slot_past_the_weights():
     try:
         cpu_build.load_lora()
