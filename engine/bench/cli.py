@@ -179,6 +179,10 @@ def _offline(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="vllm: any other vllm.LLM keyword, VALUE as JSON or text (repeatable; default: none)")
     _llamacpp_gguf(g)
+    g.add_argument("--lora-path", default=None, metavar="DIR",
+                   help="engine, with --enable-lora: every request runs through this PEFT adapter, spread round-robin "
+                        "over --max-loras adapter ids (each a slot of its own, as vLLM's benchmark does; default: "
+                        "none, the base model)")
     g.add_argument("--requests-file", default=None, help=argparse.SUPPRESS)  # set by the --compare parent
     g.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
 

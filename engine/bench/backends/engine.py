@@ -18,6 +18,13 @@ class EngineBackend:
 
         # Every engine flag as given (model and dtype already resolved by the runner).
         self.llm = LLM(**engine_config_kwargs(self.args))
+        self.loras = None
+        if getattr(self.args, "lora_path", None):
+            from engine import LoRARequest
+
+            if not self.args.enable_lora:
+                raise ValueError("--lora-path needs --enable-lora (and --max-loras for the adapters to spread over)")
+            self.loras = [LoRARequest(f"lora{i}", i, self.args.lora_path) for i in range(1, self.args.max_loras + 1)]
 
     @property
     def tokenizer(self):
@@ -37,7 +44,8 @@ class EngineBackend:
         else:
             params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
                       for r in requests]
-        outs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=use_tqdm)
+        loras = None if self.loras is None else [self.loras[i % len(self.loras)] for i in range(len(requests))]
+        outs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=use_tqdm, lora_request=loras)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def info(self) -> dict:
