@@ -105,8 +105,9 @@ async def _health_latencies(http: httpx.AsyncClient, until: asyncio.Future) -> l
 @pytest.mark.slow  # its own server, whose bounds let a 20,000-value enum through and take their time
 def test_a_large_grammar_compiles_while_health_and_streams_go_on(tiny_model_dir, tmp_path):
     """The compile (5 to 20 s for 20,000 values with this tokenizer) runs on the grammar threads:
-    /health answers and running streams' chunks keep coming, each gap under 0.5 s; then the
-    request is served, and a spec over the raised byte bound is still refused."""
+    /health answers and running streams' chunks keep coming, no pause longer than a tenth of the
+    compile (a compile on the event loop pauses both for all of it; a share, not seconds, holds on
+    a loaded CPU); then the request is served, and a spec over the raised byte bound is still refused."""
     proc = ServerProcess(["--model", tiny_model_dir, "--api-key", API_KEY, *TINY_SERVER_ARGS,
                           "--grammar-max-values", "30000", "--grammar-max-bytes", "1000000",
                           "--max-body-bytes", "8388608", "--grammar-compile-timeout-s", "120"],
@@ -119,18 +120,19 @@ def test_a_large_grammar_compiles_while_health_and_streams_go_on(tiny_model_dir,
                 big = asyncio.get_running_loop().create_future()
                 stream = asyncio.ensure_future(_stream_gaps(http, big))
                 await asyncio.sleep(1.0)  # the stream is generating
+                start = time.monotonic()
                 request = asyncio.ensure_future(http.post("/v1/chat/completions", json={
                     "messages": MSG, "max_tokens": 30, "response_format": response_format(schema)}))
-                request.add_done_callback(lambda _: big.set_result(None))
+                request.add_done_callback(lambda _: big.set_result(time.monotonic() - start))
                 health = await _health_latencies(http, big)
-                return await stream, health, await request
+                return await stream, health, await request, big.result()
 
-        gaps, health, answer = asyncio.run(main())
+        gaps, health, answer, compile_s = asyncio.run(main())
         assert answer.status_code == 200, answer.text
         value = json.loads(answer.json()["choices"][0]["message"]["content"])["v"]
         assert value in schema["properties"]["v"]["enum"]
         assert len(gaps) > 100 and len(health) > 10
-        assert max(gaps) < 0.5 and max(health) < 0.5, (max(gaps), max(health))
+        assert max(gaps) < compile_s / 10 and max(health) < compile_s / 10, (max(gaps), max(health), compile_s)
         _normal_request_works(proc.url)
         r = httpx.post(proc.url + "/v1/completions", headers=AUTH, timeout=60,
                        json={"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "a" * 1_000_001}})
