@@ -137,3 +137,34 @@ def test_a_bad_adapter_is_refused_in_one_line_naming_lora_request(lora_models, t
             plain.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=adapters[0])
         finally:
             plain.shutdown()
+
+
+def test_a_mixture_of_experts_model_serves_attention_adapters_and_refuses_expert_ones(tmp_path):
+    from engine.sampling_params import RequestError
+    from tests.engine.conftest import FAMILIES
+
+    base = build_tiny_model(tmp_path / "mixtral", **FAMILIES["mixtral"])
+    attention = LoRARequest("attn", 1, build_adapter(base, tmp_path / "attn", 8, ATTENTION, seed=4))
+    experts = LoRARequest("experts", 2, build_adapter(base, tmp_path / "experts", 8, ["w1", "w2", "w3"], seed=5))
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=16, num_kv_blocks=128)
+    try:
+        assert mixed(llm, [None, attention]) == expected(base, [None, attention])
+        with pytest.raises(RequestError, match="is not a target this model serves|not supported"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=experts)
+    finally:
+        llm.shutdown()
+
+
+def test_the_adapter_slots_take_what_the_planner_counts(lora_models):
+    from engine.planning import ModelSpec
+    from engine.planning.lora import adapter_slot_bytes
+    from transformers import AutoConfig
+
+    base, _ = lora_models
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=32)
+    try:
+        held = sum(m.lora.nbytes for m in llm.engine.runner.adapters.layers.values())
+    finally:
+        llm.shutdown()
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(base).to_dict())
+    assert held == adapter_slot_bytes(spec, 3, 8, 4)
