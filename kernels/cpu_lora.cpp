@@ -100,28 +100,93 @@ void check_slots(const at::Tensor& token_slots, int64_t tokens, int64_t slots) {
     TORCH_CHECK(s[t] >= -1 && s[t] < slots, "token ", t, " has adapter slot ", s[t], "; the weights hold ", slots);
 }
 
+// The tokens grouped by slot (a counting sort; slot -1's are left out): slot s's tokens are
+// order[starts[s] .. starts[s + 1]), in token order.
+void group_by_slot(const int32_t* slots, int64_t tokens, int64_t num_slots, std::vector<int64_t>& starts,
+                   std::vector<int64_t>& order) {
+  starts.assign(num_slots + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) ++starts[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
+  order.resize(starts[num_slots]);
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) order[next[slots[t]]++] = t;
+}
+
+// Tokens of one shrink tile: each load of A's rows serves this many tokens (AVX2 has half the registers).
+constexpr int64_t kShrinkTokens = kF >= 16 ? 4 : 2;
+
+// out[u][i] = a[i * k : (i + 1) * k] . x[u][0 : k] for ROWS rows of a and TOKENS rows of x, in float32.
+template <int ROWS, int TOKENS, typename T>
+inline void shrink_tile(const T* a, const T* const* x, int64_t k, float* const* out) {
+  fVec acc[TOKENS][ROWS];
+  for (int u = 0; u < TOKENS; ++u)
+    for (int i = 0; i < ROWS; ++i) acc[u][i] = fVec(0.f);
+  int64_t c = 0;
+  for (; c + kF <= k; c += kF) {
+    fVec rows[ROWS];
+    for (int i = 0; i < ROWS; ++i) rows[i] = load_f(a + i * k + c);
+    for (int u = 0; u < TOKENS; ++u) {
+      const fVec xv = load_f(x[u] + c);
+      for (int i = 0; i < ROWS; ++i) acc[u][i] = at::vec::fmadd(rows[i], xv, acc[u][i]);
+    }
+  }
+  if (c < k) {
+    fVec rows[ROWS];
+    for (int i = 0; i < ROWS; ++i) rows[i] = load_f(a + i * k + c, k - c);
+    for (int u = 0; u < TOKENS; ++u) {
+      const fVec xv = load_f(x[u] + c, k - c);
+      for (int i = 0; i < ROWS; ++i) acc[u][i] = at::vec::fmadd(rows[i], xv, acc[u][i]);
+    }
+  }
+  for (int u = 0; u < TOKENS; ++u)
+    for (int i = 0; i < ROWS; ++i) out[u][i] = sum_lanes(acc[u][i]);
+}
+
+template <int TOKENS, typename T>
+inline void shrink_rows(const T* a, const T* const* x, int64_t k, int64_t rows, float* const* out) {
+  if (rows == kRows) return shrink_tile<kRows, TOKENS>(a, x, k, out);
+  float* shifted[TOKENS];
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int u = 0; u < TOKENS; ++u) shifted[u] = out[u] + i;
+    shrink_tile<1, TOKENS>(a + i * k, x, k, shifted);
+  }
+}
+
+// Work items are (up to kShrinkTokens tokens of one slot, kRows rows of A): the tokens share each
+// load of A's rows, the rows each load of x.
 template <typename T>
 void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a, const int32_t* slots, at::Tensor& buf) {
   const int64_t tokens = x.size(0), k = x.size(1), n = lora_a.size(1), stride = x.stride(0);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* ap = reinterpret_cast<const T*>(lora_a.data_ptr());
   float* out = buf.data_ptr<float>();
-  const int64_t groups = (n + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, kItemWork / (kRows * std::max<int64_t>(k, 1)));
-  at::parallel_for(0, tokens * groups, grain, [&](int64_t begin, int64_t end) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] < 0) std::fill(out + t * n, out + (t + 1) * n, 0.f);
+  std::vector<int64_t> starts, order, chunks;  // chunks: the first index into order of each tile's tokens
+  group_by_slot(slots, tokens, lora_a.size(0), starts, order);
+  for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s)
+    for (int64_t i = starts[s]; i < starts[s + 1]; i += kShrinkTokens) chunks.push_back(i);
+  const int64_t groups = (n + kRows - 1) / kRows, count = static_cast<int64_t>(chunks.size());
+  const int64_t grain = std::max<int64_t>(1, kItemWork / (kRows * kShrinkTokens * std::max<int64_t>(k, 1)));
+  at::parallel_for(0, count * groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / groups, row = item % groups * kRows, rows = std::min(kRows, n - row);
-      float* o = out + t * n + row;
-      if (slots[t] < 0) {
-        std::fill(o, o + rows, 0.f);
-        continue;
+      const int64_t first = chunks[item / groups], row = item % groups * kRows, rows = std::min(kRows, n - row);
+      const int64_t slot = slots[order[first]];
+      const int64_t size = std::min(kShrinkTokens, starts[slot + 1] - first);
+      const T* xs[4];
+      float* os[4];
+      for (int64_t u = 0; u < size; ++u) {
+        xs[u] = xp + order[first + u] * stride;
+        os[u] = out + order[first + u] * n + row;
       }
-      const T* a = ap + (slots[t] * n + row) * k;
-      const T* xt = xp + t * stride;
-      if (rows == kRows) {
-        dot_rows<kRows>(a, k, xt, k, o);
-      } else {
-        for (int64_t i = 0; i < rows; ++i) dot_rows<1>(a + i * k, k, xt, k, o + i);
+      const T* a = ap + (slot * n + row) * k;
+      switch (size) {
+        case 1: shrink_rows<1>(a, xs, k, rows, os); break;
+        case 2: shrink_rows<2>(a, xs, k, rows, os); break;
+        case 3: shrink_rows<3>(a, xs, k, rows, os); break;
+        default: shrink_rows<4>(a, xs, k, rows, os);
       }
     }
   });
@@ -284,18 +349,8 @@ void expand_impl(at::Tensor& y, const at::Tensor& buf, const at::Tensor& lora_b,
                  const std::vector<Block>& blocks) {
   const int64_t tokens = y.size(0), m = y.size(1), r = lora_b.size(2), n_buf = buf.size(1), stride = y.stride(0);
   const int64_t num_slots = lora_b.size(0);
-  // The tokens grouped by slot (a counting sort; slot -1's are left out): group s is
-  // order[starts[s] .. starts[s + 1]).
-  std::vector<int64_t> starts(num_slots + 1, 0), order;
-  for (int64_t t = 0; t < tokens; ++t)
-    if (slots[t] >= 0) ++starts[slots[t] + 1];
-  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
-  order.resize(starts[num_slots]);
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t t = 0; t < tokens; ++t)
-      if (slots[t] >= 0) order[next[slots[t]]++] = t;
-  }
+  std::vector<int64_t> starts, order;
+  group_by_slot(slots, tokens, num_slots, starts, order);
   if (order.empty()) return;
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const T* bp = reinterpret_cast<const T*>(lora_b.data_ptr());
