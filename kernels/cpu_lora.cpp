@@ -2,13 +2,14 @@
 // adapter slot) and lora_expand (y += buffer @ B^T per output slice, in place). kernels/reference.py
 // defines both; kernels/cpu_lora.py is the Python side. Built on first use by kernels/cpu_build.py
 // (load_lora) with ATen's SIMD types for the CPU capability torch reports, threaded with
-// at::parallel_for, so that a decode step's few tokens still split across cores:
-//   shrink  work items are (token, 4 rows of A): each row a vectorised dot product over K, the four
-//           sharing each load of x.
-//   expand  work items are blocks of kExpandRows output columns of one slice, the tokens grouped by
-//           slot: a slot's one or two tokens take a dot product of R per column; more share the
-//           block's B rows transposed once, so each token's sums are broadcast FMAs over columns
-//           (no horizontal sums) and B is read from memory once per slot, not once per token.
+// at::parallel_for, so that a decode step's few tokens still split across cores.
+//   Both ops first group the tokens by slot (a counting sort of token_slots), so that a slot's
+//   tokens share each load of its adapter's weights and read them from memory once per call.
+//   shrink  work items are (up to 4 tokens of one slot, 4 rows of A): vectorised dot products over
+//           K, the tokens sharing each load of A's rows and the rows each load of x.
+//   expand  work items are blocks of kExpandRows output columns of one slice: a slot's one or two
+//           tokens take a dot product of R per column; more share the block's B rows transposed
+//           once, so that each token's sums are broadcast FMAs over columns (no horizontal sums).
 //
 // Shapes: x [T, K] (rows contiguous, any row stride), lora_a [S, N, K], token_slots [T] int32
 // (-1: no adapter), buf [T, N] float32, y [T, M] (rows contiguous), lora_b [S, M, R], out_slices with

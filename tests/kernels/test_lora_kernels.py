@@ -29,14 +29,18 @@ ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16:
 FLOAT32_SUMS = 1e-5  # relative error of float32 sums of at most a few hundred terms, generously
 
 
+def cpu_lora_or_skip() -> None:
+    try:
+        cpu_build.load_lora()
+    except RuntimeError as e:
+        pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+
+
 @pytest.fixture(params=["torch", "cpu", "triton"])
 def backend(request):
     """A backend name whose kernels run here, or a skip saying why not."""
     if request.param == "cpu":
-        try:
-            cpu_build.load_lora()
-        except RuntimeError as e:
-            pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+        cpu_lora_or_skip()
     if request.param == "triton":
         request.getfixturevalue("triton_ops")
     return request.param
@@ -184,10 +188,7 @@ def test_every_adapter_of_eight_in_one_batch(backend):
 
 def test_cpu_results_do_not_depend_on_the_thread_count():
     # Each output is one thread's work in a fixed order, so a team of any size gives the same bits.
-    try:
-        cpu_build.load_lora()
-    except RuntimeError as e:
-        pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+    cpu_lora_or_skip()
     x, lora_a, lora_b, y0, token_slots = make_case(300, 16, QKV, "mixed", torch.bfloat16)
     threads, outputs = torch.get_num_threads(), []
     try:
@@ -203,10 +204,7 @@ def test_cpu_results_do_not_depend_on_the_thread_count():
 
 
 def test_cpu_rejects_a_slot_past_the_weights():
-    try:
-        cpu_build.load_lora()
-    except RuntimeError as e:
-        pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+    cpu_lora_or_skip()
     x, lora_a, lora_b, y, _ = make_case(3, 4, PLAIN, "mixed", torch.float32, slots=2)
     bad = torch.tensor([0, 2, -1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="adapter slot 2"):
@@ -220,10 +218,7 @@ def test_cpu_rejects_a_slot_past_the_weights():
 def test_narrower_cpu_builds(isa):
     # The AVX-512 build loads partial vectors under masks; AVX2's and the portable one take other
     # paths for the same tails: each builds (about 30 s) and passes the fast cpu cases.
-    try:
-        cpu_build.load_lora()
-    except RuntimeError as e:
-        pytest.skip(f"CPU LORA KERNELS NOT TESTED: they did not build ({e})")
+    cpu_lora_or_skip()
     if isa == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU has no AVX2")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
