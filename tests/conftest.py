@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -11,6 +12,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def _share_one_ssl_context(transports: str) -> None:
+    """Every httpx client (the openai client's, on httpx2, too) builds an SSL context, loading the CA
+    bundle: tens of milliseconds each, thousands of times a run, for servers the tests reach over
+    plain http. One context per set of arguments serves them all (a context is safe to share)."""
+    try:
+        default = importlib.import_module(transports)
+    except ImportError:  # a bare GPU image runs tests/gpu and tests/kernels without the clients
+        return
+    real = default.create_ssl_context
+    if getattr(real, "shared", False):
+        return
+    contexts: dict = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if not isinstance(verify, bool) or cert is not None:
+            return real(verify=verify, cert=cert, trust_env=trust_env)
+        if (verify, trust_env) not in contexts:
+            contexts[verify, trust_env] = real(verify=verify, cert=cert, trust_env=trust_env)
+        return contexts[verify, trust_env]
+
+    create_ssl_context.shared = True
+    default.create_ssl_context = create_ssl_context
+
+
+for _transports in ("httpx._transports.default", "httpx2._transports.default"):
+    _share_one_ssl_context(_transports)
 
 
 @pytest.fixture(scope="session")
