@@ -4,7 +4,10 @@ base model, slot -1) share one launch with no sorting or grouping on the host. k
 defines both ops.
 
   shrink  grid (tokens, blocks of BLOCK_N rows of A): buf[t, rows] = A[slot, rows] @ x[t], float32,
-          K walked in BLOCK_K steps; slot -1 stores zeros.
+          K walked in BLOCK_K steps; slot -1 stores zeros. Past TILED_SHRINK_TOKENS tokens (prefill
+          chunks) a program takes a tile of TILE_TOKENS consecutive tokens instead, one tl.dot per
+          slot present in it: a prefill chunk's tokens are one request's, so a tile is mostly one
+          slot, and A is read once per tile rather than once per token.
   expand  grid (tokens, blocks of BLOCK_M output columns): each column finds its slice (up to
           MAX_SLICES boundaries are scalar arguments, so no tensor describes the slices), reads that
           slice's R values of buf and its row of B, and adds the float32 sum, rounded to y's dtype,
@@ -24,6 +27,8 @@ import triton.language as tl
 MAX_SLICES = 4  # slices one expand launch handles; a projection with more takes a launch per group
 BLOCK_N = 16
 BLOCK_M = 64
+TILED_SHRINK_TOKENS = 64  # more tokens than this take the tiled shrink
+TILE_TOKENS = 64
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # may be a view into a staging buffer
@@ -43,6 +48,32 @@ def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, buf_ptr, stride_x,
             a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
             acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
     tl.store(buf_ptr + tok * N + rows, acc, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slots_ptr"])
+def lora_shrink_tiled_kernel(x_ptr, a_ptr, slots_ptr, buf_ptr, num_tokens, stride_x,
+                             K: tl.constexpr, N: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    toks = tl.program_id(0) * TILE_TOKENS + tl.arange(0, TILE_TOKENS)
+    tok_mask = toks < num_tokens
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    slots = tl.load(slots_ptr + toks, mask=tok_mask, other=-1)
+    first = tl.maximum(tl.min(tl.where(tok_mask, slots, 2**30)), 0)
+    last = tl.max(slots)
+    acc = tl.zeros([TILE_TOKENS, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + toks[:, None].to(tl.int64) * stride_x
+    for slot in range(first, last + 1):  # each slot of the tile's tokens (slot -1's rows stay zero)
+        mine = tok_mask & (slots == slot)
+        if tl.sum(mine.to(tl.int32)) > 0:
+            a_rows = a_ptr + (rows[:, None].to(tl.int64) + slot * N) * K
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_mask = cols < K
+                x = tl.load(x_rows + cols[None, :], mask=mine[:, None] & col_mask[None, :], other=0.0)
+                a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+                acc = tl.dot(x, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    tl.store(buf_ptr + toks[:, None].to(tl.int64) * N + rows[None, :], acc, mask=tok_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
@@ -79,7 +110,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     n = lora_a.shape[1]
     assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[2] == k
     buf = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
-    if tokens and n:
+    if tokens > TILED_SHRINK_TOKENS and n:
+        block_n = min(64, max(16, triton.next_power_of_2(n)))
+        grid = (triton.cdiv(tokens, TILE_TOKENS), triton.cdiv(n, block_n))
+        lora_shrink_tiled_kernel[grid](x, lora_a, token_slots, buf, tokens, x.stride(0), K=k, N=n,
+                                       TILE_TOKENS=TILE_TOKENS, BLOCK_N=block_n,
+                                       BLOCK_K=min(64, max(16, triton.next_power_of_2(k))),
+                                       DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    elif tokens and n:
         block_k = min(256, triton.next_power_of_2(k))
         lora_shrink_kernel[(tokens, triton.cdiv(n, BLOCK_N))](x, lora_a, token_slots, buf, x.stride(0),
                                                               K=k, N=n, BLOCK_N=BLOCK_N, BLOCK_K=block_k)

@@ -165,6 +165,17 @@ def test_row_strided_x(backend, dtype):
     run_case(backend, 5, 7, QKV, "mixed", dtype, strided=True)
 
 
+@pytest.mark.parametrize("tokens,rank,out_slices,pattern", [(5, 7, QKV, "mixed"), (37, 16, GATE_UP, "mixed"),
+                                                          (37, 3, PLAIN, "none"), (20, 1, QKV, "all")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_tiled_shrink(triton_ops, monkeypatch, tokens, rank, out_slices, pattern, dtype):
+    # Prefill chunks take tiles of consecutive tokens, one tl.dot per slot in a tile; here at any token count.
+    from kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "TILED_SHRINK_TOKENS", 0)
+    run_case("triton", tokens, rank, out_slices, pattern, dtype)
+
+
 def test_one_adapter_slot(backend):
     run_case(backend, 37, 16, GATE_UP, "mixed", torch.bfloat16, slots=1)
 
