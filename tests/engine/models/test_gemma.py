@@ -227,7 +227,7 @@ def test_transformers_4_gemma3_fields_give_each_layer_type_its_rotary():
     assert (full[0], full[1]["rope_type"], full[1]["factor"]) == (1e6, "linear", 8.0)
 
 
-def _write_gemma_gguf(path, folder: str, arch: str) -> None:
+def _write_gemma_gguf(path, folder: str, arch: str, kind: str = "F32") -> None:
     """A Gemma folder as llama.cpp's converter writes it (convert_hf_to_gguf.py, Gemma2Model / Gemma3Model):
     the caps and the window as metadata, no query scale (llama.cpp derives it), Gemma 3's global rotary
     base and linear factor, every norm's weight stored + 1, no lm_head (tied). The window layers are
@@ -263,23 +263,41 @@ def _write_gemma_gguf(path, folder: str, arch: str) -> None:
         if hf_name == "lm_head.weight":
             continue
         base, suffix = hf_name.rsplit(".", 1)
-        data = t.numpy() + 1 if base.endswith("norm") else t.numpy()
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        data = np.ascontiguousarray(t.numpy() + 1 if base.endswith("norm") else t.numpy())
+        if kind == "Q8_0" and data.ndim == 2:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gguf_serves_the_checkpoint_it_came_from(name, tmp_path):
-    """A float GGUF written from a checkpoint serves transformers' greedy tokens for that checkpoint (whose
-    query scale is 1/sqrt(head_dim), as llama.cpp takes it for every size but 27B)."""
+@pytest.mark.parametrize("name, kind", [("gemma2", "F32"), ("gemma3", "F32"), ("gemma2", "Q8_0")])
+def test_gguf_serves_the_checkpoint_it_came_from(name, kind, tmp_path):
+    """A GGUF written from a checkpoint (whose query scale is 1/sqrt(head_dim), as llama.cpp takes it for
+    every size but 27B) serves transformers' greedy tokens: as float, for that checkpoint; as Q8_0 blocks
+    (the tied embedding too, its rows scaled after they are looked up, its blocks the head's), for the
+    checkpoint holding the blocks' dequantized values."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
     folder = build_tiny_gemma(tmp_path / "hf", name, seed=1, query_pre_attn_scalar=16)
     path = tmp_path / f"{name}.gguf"
-    _write_gemma_gguf(path, folder, name)
+    _write_gemma_gguf(path, folder, name, kind)
+    if kind == "Q8_0":
+        tensors = load_file(f"{folder}/model.safetensors")
+        for key, t in tensors.items():
+            if t.dim() == 2:
+                q8 = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                tensors[key] = torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0).copy())
+        save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(path), tokenizer=folder, device="cpu", dtype="float32", num_kv_blocks=16, block_size=16,
-              max_model_len=128, max_num_batched_tokens=16)
+              max_model_len=128, max_num_batched_tokens=16, cpu_gguf_activations="float")
+    embedding = llm.engine.runner.model.model.embed_tokens
+    assert getattr(embedding.quant_format, "name", "float") == ("float" if kind == "F32" else kind)
     assert llm.engine.runner.hf_config.model_type == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[name]
     prompts = _prompts(1)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
