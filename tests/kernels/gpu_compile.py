@@ -91,7 +91,7 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
         setattr(triton_quant, name, Recorder(getattr(triton_quant, name), calls))
     for name in ("gemv_kernel", "dot_kernel"):
         setattr(triton_quant_packed, name, Recorder(getattr(triton_quant_packed, name), calls))
-    for name in ("lora_shrink_kernel", "lora_shrink_tiled_kernel", "lora_expand_kernel"):
+    for name in ("lora_shrink_kernel", "lora_shrink_tiled_kernel", "lora_expand_kernel", "lora_expand_tiled_kernel"):
         setattr(triton_lora, name, Recorder(getattr(triton_lora, name), calls))
     triton_ops.INTERPRETED = True  # only recording: CPU tensors are fine
     triton_ops._num_sms = lambda device: 132  # an H100's: the warm-up enumerates split counts by it
@@ -143,7 +143,7 @@ def record_launches(all_warmup_variants: bool = False, warmup_only: bool = False
             triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd)
             triton_quant_packed.packed_linear(torch.empty(1, 2048, dtype=torch.bfloat16), odd, num_splits=1)
     # A 1B model's fused q/k/v projection under rank-16 adapters (3 unequal slices) at decode and
-    # prefill sizes (the tiled shrink), and an odd rank on a plain one.
+    # prefill sizes (the tiled kernels), and an odd rank on a plain one.
     for tokens, rank, out_slices in ((8, 16, (2048, 512, 512)), (512, 16, (2048, 512, 512)), (8, 7, (2048,))):
         slots = torch.zeros(tokens, dtype=torch.int32)
         x = torch.empty(tokens, 2048, dtype=torch.bfloat16)
