@@ -95,6 +95,11 @@ class CpuFusedLayers:
             scales += [float(attn.attn.k_scale), float(attn.attn.v_scale)]
         self._stack = cpu_build.load().DecoderLayers(weights, formats, caches, scales, self.num_heads,
                                                      self.num_kv_heads, self.eps, self.scale, *_linear_kernels())
+        if self.layers[0].self_attn.qkv_proj.lora is not None:  # LoRA serving: the adapters' slots, filled in place
+            adapted = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            self._stack.bind_lora([t for m in adapted for t in (m.lora.a, m.lora.b)],
+                                  [n for m in adapted for n in m.lora.out_slices])
         self._bound_to = self.layers[0].self_attn.attn.k_cache
 
     def _takes(self, hidden: torch.Tensor, meta) -> bool:
@@ -125,7 +130,7 @@ class CpuFusedLayers:
         """(hidden, residual) after every layer, or None where the modules must run instead."""
         context = get_forward_context()
         meta = context.attn
-        if context.backend.name != "cpu" or context.lora_slots is not None or not self._takes(hidden, meta):
+        if context.backend.name != "cpu" or not self._takes(hidden, meta):
             return None
         if self._bound_to is not self.layers[0].self_attn.attn.k_cache:
             self._bind()
@@ -133,7 +138,7 @@ class CpuFusedLayers:
         cos, sin = (t.reshape(tokens, -1).contiguous() for t in rope)
         plan = meta.plan
         out = self._stack.forward(hidden.contiguous(), None if residual is None else residual.contiguous(), cos, sin,
-                                  meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens)
+                                  meta.slot_mapping, plan.block_tables, plan.row_seq, plan.lens, context.lora_slots)
         self.steps += 1
         return out[0], out[1]
 

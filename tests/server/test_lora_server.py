@@ -28,13 +28,14 @@ def lora_server(tmp_path_factory):
     base = build_tiny_model(root / "base", model_type="llama", num_attention_heads=4, num_key_value_heads=2)
     paths = {
         "sql": build_adapter(base, root / "sql", 8, ["q_proj", "v_proj"], seed=1),
-        "chat": build_adapter(base, root / "chat", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj"], seed=2),
+        "chat": build_adapter(base, root / "chat", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"], seed=2),
         "late": build_adapter(base, root / "late", 16, ["gate_proj", "up_proj", "down_proj"], seed=3),
     }
     chat_module = json.dumps({"name": "chat", "path": paths["chat"], "base_model_name": "tiny"})
-    proc = ServerProcess(["--model", base, "--served-model-name", BASE, "--dtype", "float32", "--num-kv-blocks", "256", "--num-threads", "1",
-                          "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--enable-runtime-lora",
+    proc = ServerProcess(["--model", base, "--served-model-name", BASE, "--dtype", "float32",
+                          "--num-kv-blocks", "256", "--num-threads", "1", "--enable-lora", "--max-loras", "2",
+                          "--max-lora-rank", "16", "--enable-runtime-lora",
                           "--lora-modules", f"sql={paths['sql']}", chat_module],
                          str(root / "server.log"))
     yield proc, base, paths

@@ -53,8 +53,11 @@ def test_a_mixed_batch_equals_peft_generating_each_adapter_alone(lora_models, ba
               max_lora_rank=16, num_kv_blocks=128, block_size=8)
     try:
         mixed(llm, [None])  # the base model's blocks of these prompts are now in the prefix cache
+        fused = llm.engine.runner.model.model.fused_layers  # cpu: small steps run the layers in one C++ call
+        before = fused.steps if fused is not None else 0
         assert mixed(llm, loras) == want
         assert mixed(llm, list(reversed(loras))) == expected(base, list(reversed(loras)))  # slots refilled
+        assert backend != "cpu" or fused.steps > before, "adapter steps must take the fused C++ layers too"
     finally:
         llm.shutdown()
 
