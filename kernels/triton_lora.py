@@ -29,7 +29,9 @@ MAX_SLICES = 4  # slices one expand launch handles; a projection with more takes
 BLOCK_N = 16
 BLOCK_M = 64
 TILED_TOKENS = 64  # more tokens than this (prefill chunks) take the tiled kernels
-TILE_TOKENS = 64
+# Small tiles: with 16 tokens and 16 rows of A a tile, a 512-token chunk of a q/k/v projection is 96
+# programs, each reading A's rows once for 16 tokens; bigger tiles left most of a GPU's SMs idle.
+TILE_TOKENS = 16
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # may be a view into a staging buffer
@@ -150,11 +152,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     assert x.stride(1) == 1 and lora_a.is_contiguous() and lora_a.shape[2] == k
     buf = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     if tokens > TILED_TOKENS and n:
-        block_n = min(64, max(16, triton.next_power_of_2(n)))
-        grid = (triton.cdiv(tokens, TILE_TOKENS), triton.cdiv(n, block_n))
+        grid = (triton.cdiv(tokens, TILE_TOKENS), triton.cdiv(n, BLOCK_N))
         lora_shrink_tiled_kernel[grid](x, lora_a, token_slots, buf, tokens, x.stride(0), K=k, N=n,
-                                       TILE_TOKENS=TILE_TOKENS, BLOCK_N=block_n,
-                                       BLOCK_K=min(64, max(16, triton.next_power_of_2(k))),
+                                       TILE_TOKENS=TILE_TOKENS, BLOCK_N=BLOCK_N,
+                                       BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
                                        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     elif tokens and n:
         block_k = min(256, triton.next_power_of_2(k))
