@@ -170,7 +170,9 @@ void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a, const int32_t* s
   for (int64_t s = 0; s + 1 < static_cast<int64_t>(starts.size()); ++s)
     for (int64_t i = starts[s]; i < starts[s + 1]; i += kShrinkTokens) chunks.push_back(i);
   const int64_t groups = (n + kRows - 1) / kRows, count = static_cast<int64_t>(chunks.size());
-  const int64_t grain = std::max<int64_t>(1, kItemWork / (kRows * kShrinkTokens * std::max<int64_t>(k, 1)));
+  // Multiply-adds of an item, its tile's tokens averaged: a decode step of one token is 1, not 4.
+  const int64_t tile_tokens = std::max<int64_t>(1, static_cast<int64_t>(order.size()) / std::max<int64_t>(count, 1));
+  const int64_t grain = std::max<int64_t>(1, kItemWork / (kRows * std::max<int64_t>(k, 1) * tile_tokens));
   at::parallel_for(0, count * groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first = chunks[item / groups], row = item % groups * kRows, rows = std::min(kRows, n - row);
@@ -302,7 +304,8 @@ inline void expand_tile(const float* bt, int64_t r, const float* const* v, T* co
     }
   }
   for (int i = 0; i < TOKENS; ++i)
-    for (int64_t c = 0; c < kTileVecs && c * kF < cols; ++c) add_f(y[i] + c * kF, acc[i][c], std::min(kF, cols - c * kF));
+    for (int64_t c = 0; c < kTileVecs && c * kF < cols; ++c)
+      add_f(y[i] + c * kF, acc[i][c], std::min(kF, cols - c * kF));
 }
 
 // The slot's tokens order[first .. last) add their slice's buf row times B's rows col .. col + n.
