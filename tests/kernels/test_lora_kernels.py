@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -240,3 +241,24 @@ def test_narrower_cpu_builds(isa):
     out = subprocess.run([sys.executable, "-c", check, isa, os.path.abspath(__file__)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_an_engine_start_leaves_the_lora_library_unbuilt(monkeypatch):
+    # start_building (an engine on a CPU, while its model loads) builds the two libraries every model
+    # needs; the LoRA one waits for the first LoRA call, so serving without adapters never compiles it.
+    started = []
+
+    class RunNow:
+        def __init__(self, target, args, **kwargs):
+            self.target, self.args = target, args
+
+        def start(self):
+            self.target(*self.args)
+
+    monkeypatch.setattr(cpu_build, "threading", types.SimpleNamespace(Thread=RunNow))
+    monkeypatch.setattr(cpu_build, "_quietly", lambda library: started.append(library.source.name))
+    for library in (cpu_build._OPS, cpu_build._QUANT, cpu_build._LORA):
+        monkeypatch.setattr(library, "module", None)
+        monkeypatch.setattr(library, "error", None)
+    cpu_build.start_building()
+    assert started == ["cpu_ops.cpp", "cpu_quant.cpp"]
