@@ -10,6 +10,7 @@ its 300-token cases are slow.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -262,3 +263,17 @@ def test_an_engine_start_leaves_the_lora_library_unbuilt(monkeypatch):
         monkeypatch.setattr(library, "error", None)
     cpu_build.start_building()
     assert started == ["cpu_ops.cpp", "cpu_quant.cpp"]
+
+
+@pytest.mark.slow
+def test_cpu_bench_lora_rows(tmp_path):
+    # `python -m kernels.cpu_bench --lora` times every projection at both batch sizes (its numbers are
+    # benchmarks, not asserted here).
+    cpu_lora_or_skip()
+    from kernels import cpu_bench
+
+    out = tmp_path / "lora.json"
+    assert cpu_bench.main(["--lora", "--runs", "1", "--dtype", "float32", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["lora"]
+    assert len(rows) == 2 * 2 * 4  # two models, two token counts, four projections
+    assert all(r["linear_ms"] > 0 and r["cpu_ms"] > 0 and r["torch_ms"] > 0 for r in rows)
