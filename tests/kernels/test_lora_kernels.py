@@ -5,7 +5,8 @@ equal ones) and plain ones, 16-bit and float32, a row-strided x. Rows of slot -1
 for bit as it was.
 
 Triton runs under the interpreter on CPU (tests/kernels/conftest.py), so its shapes stay small and
-its 300-token cases are slow.
+its largest cases are slow; past 64 tokens it takes its tiled kernels (test_triton_tiled_kernels
+takes them at any size).
 """
 
 from __future__ import annotations
