@@ -78,9 +78,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, mlp: nn.Module):
+    def __init__(self, cfg, mlp: nn.Module, attention: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention if attention is not None else Attention(cfg)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -102,14 +102,15 @@ class LlamaModel(nn.Module):
     Runs inside a forward context (engine/layers/context.py): the step's attention metadata and
     the kernel backend reach every layer through it."""
 
-    def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None, make_mlp):
+    def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None, make_mlp, make_attention=None):
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, cfg.num_hidden_layers)
         self.hidden_size = cfg.hidden_size
         self.dtype = torch.get_default_dtype()  # the model's (the runner builds it under its dtype)
         first, last = self.start_layer == 0, self.end_layer == cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, make_mlp(cfg, i))
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, make_mlp(cfg, i),
+                                                          make_attention(cfg, i) if make_attention else None)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         theta, scaling = rope_settings(cfg)
@@ -148,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, max_positions: int, layer_range: tuple[int, int] | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, layer_range, self.make_mlp)
+        self.model = LlamaModel(cfg, max_positions, layer_range, self.make_mlp, self.make_attention)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.norm is not None else None
         self.tie_weights()
@@ -164,6 +165,11 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(cfg, layer: int) -> nn.Module:
         """Layer `layer`'s MLP: dense here; a mixture-of-experts family routes some layers."""
         return MLP(cfg)
+
+    @staticmethod
+    def make_attention(cfg, layer: int) -> nn.Module:
+        """Layer `layer`'s attention: Llama's here; a family with window layers or sinks differs per layer."""
+        return Attention(cfg)
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """(parameter name, shard id or None) that checkpoint tensor `name` loads into: the

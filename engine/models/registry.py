@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -10,6 +11,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 MODEL_REGISTRY = {
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,

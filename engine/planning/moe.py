@@ -6,6 +6,8 @@ Modelled, as Hugging Face transformers builds them (one SwiGLU expert = gate, up
   qwen2_moe  `num_experts` experts of `moe_intermediate_size`, plus one shared expert of
              `shared_expert_intermediate_size` behind a sigmoid `shared_expert_gate` [1, hidden]; q/k/v biases
   qwen3_moe  `num_experts` experts of `moe_intermediate_size`, no shared expert; q/k RMSNorm
+  gpt_oss    as mixtral (every layer, `num_local_experts` of `intermediate_size`); its expert and router
+             biases (hidden + 2 x intermediate a expert) are left out, a few parts per million of its weights
 Qwen's layer i is MoE iff i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; its other
 layers are dense MLPs of `intermediate_size` (transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer).
 
@@ -16,7 +18,7 @@ that declares experts (its tensors are not the ones counted here).
 
 from __future__ import annotations
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # Keys that declare experts (or DeepSeek's MoE machinery) in some Hugging Face config.
 MOE_MARKERS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
                "num_experts_per_tok")
@@ -49,7 +51,7 @@ def moe_fields(cfg: dict, model_type: str) -> dict:
     # Hub configs write Mixtral's count as num_local_experts, Qwen's as num_experts; transformers 5 writes
     # Qwen3-MoE's to_dict() with num_local_experts too.
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         expert_ffn, shared, moe_layers = cfg["intermediate_size"], 0, range(layers)
     else:
         expert_ffn = cfg["moe_intermediate_size"]

@@ -19,9 +19,9 @@ from engine.planning.moe import declares_experts, moe_fields
 
 MLP_KINDS = ("swiglu", "gelu")  # gate/up/down with SiLU (Llama) | fc/proj with GELU (GPT-2/3)
 NORM_KINDS = ("rmsnorm", "layernorm")  # weight | weight and bias
-# Families whose window layers mask their window in the kernels (Gemma 2 and 3): a full-length cache,
+# Families whose window layers mask their window in the kernels (Gemma 2 and 3, gpt-oss): a full-length cache,
 # no cap on the context; other families' window is served by capping the context at it.
-WINDOW_MASKING_TYPES = ("gemma2", "gemma3_text")
+WINDOW_MASKING_TYPES = ("gemma2", "gemma3_text", "gpt_oss")
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,8 @@ def read_quantization_config(config: dict) -> Prequantized | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None  # its MXFP4 experts are dequantized as they load (engine/models/gpt_oss.py)
     if method == "gptq":
         return GPTQ(qc)
     if method == "awq":
