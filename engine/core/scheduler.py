@@ -20,6 +20,7 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core import ngram_proposer
+from engine.core.draft_backoff import DraftBackoff
 from engine.core.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -30,12 +31,13 @@ UNLIMITED = 1 << 62  # a prefill limit left unset beside one that is set
 
 
 def speculates(p: SamplingParams) -> bool:
-    """Whether a request's tokens may come from verified drafts: greedy, and nothing that reads
-    the earlier tokens or moves the argmax (the verify step takes the model's raw argmax at each
-    position), nor logprobs (not reported for verified tokens), nor n > 1 or pooling."""
-    return (p.greedy and p.n == 1 and p.pooling is None and p.logprobs is None and p.structured_outputs is None
-            and not (p.penalised or p.logit_bias
-                     or p.allowed_token_ids or p.bad_words or p.bad_words_token_ids))
+    """Whether a request's tokens may come from verified drafts: what the sampler does at a row is
+    computable at each draft's position (temperature, top-k/p, min-p, penalties, logit_bias,
+    allowed_token_ids, bad_words and min_tokens read the drafts before it as output; the runner
+    verifies with the sampler's own choice there). Refused: structured output (its matcher would
+    have to advance over the drafts and roll back over the rejected ones), logprobs (not reported
+    for verified tokens) and pooling (nothing is decoded)."""
+    return p.pooling is None and p.logprobs is None and p.structured_outputs is None
 
 
 class Scheduler:
@@ -70,6 +72,7 @@ class Scheduler:
         self.max_loras = config.max_loras if config.enable_lora else 0
         self.speculative = config.speculative_config  # validated: method ngram, its k and n-gram lengths
         self.drafts: dict[str, list[int]] = {}  # this step's draft tokens, by stream key
+        self.backoff: dict[str, DraftBackoff] = {}  # by stream key: streams whose drafts were verified
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -110,6 +113,7 @@ class Scheduler:
         `num_accepted` drafts' K/V stand; blocks that hold only rejected positions are freed
         (never hashed: cache_full_blocks reads computed tokens only)."""
         req.num_computed_tokens += num_accepted
+        self.backoff.setdefault(req.key, DraftBackoff()).record(num_accepted)
         keep = self.kv.blocks_needed(req.num_computed_tokens)
         if len(req.block_ids) > keep:
             self.kv.free_tail(req, keep)
@@ -121,9 +125,10 @@ class Scheduler:
         max_tokens and the free blocks allow, keeping one free block for each of the `num_later`
         running streams scheduled after it (a draft never preempts a request)."""
         spec, p = self.speculative, req.sampling_params
-        if spec is None or budget < 2 or not req.output_token_ids or len(req.output_token_ids) < p.min_tokens:
+        if spec is None or budget < 2 or not req.output_token_ids or not speculates(p):
             return []
-        if not speculates(p):
+        backoff = self.backoff.get(req.key)
+        if backoff is not None and not backoff.proposes():
             return []
         room = (len(req.block_ids) + self.kv.num_free_blocks - num_later) * self.kv.block_size
         k = min(spec["num_speculative_tokens"], budget - 1, self.max_model_len - req.num_tokens,
@@ -291,6 +296,7 @@ class Scheduler:
             self.num_waiting -= 1
             self.num_waiting_seqs -= self._seqs(req)
         self.kv.free(req)
+        self.backoff.pop(req.key, None)
         req.status = RequestStatus.FINISHED
         if req.num_sent_tokens:
             self._finished_ids.append(req.key)

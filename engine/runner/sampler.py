@@ -65,6 +65,14 @@ class PenaltyState:
         self.num_counted += 1
 
 
+def penalty_state(req: Stream, vocab_size: int, device: torch.device) -> PenaltyState:
+    """The stream's penalty state, made again when its output grew past what it counted."""
+    state = req.penalty_state
+    if state is None or state.num_counted != len(req.output_token_ids):
+        state = req.penalty_state = PenaltyState(req, vocab_size, device)
+    return state
+
+
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, subtract: torch.Tensor,
                     repetition: torch.Tensor) -> torch.Tensor:
     """Penalise [B, V] rows in place, given each row's seen tokens, OpenAI term and [B] penalty.
@@ -148,6 +156,16 @@ class Sampler:
         return req.generator
 
     def __call__(self, logits: torch.Tensor, reqs: list[Stream]) -> list[SampledToken]:
+        tokens, states, raw_logprobs = self.choose(logits, reqs)
+        token_ids = tokens.tolist()
+        for i, state in states.items():  # only once every row has its token: a retry counts nothing twice
+            state.add(token_ids[i])
+        return self._results(token_ids, reqs, raw_logprobs)
+
+    def choose(self, logits: torch.Tensor, reqs: list[Stream], draws: dict | None = None):
+        """Each row's token (a tensor), the penalty states its rows read (to count the tokens in),
+        and the raw logprobs when a row asks for them. `draws`, when given, gets each seeded row's
+        generator state after its noise (a speculating stream keeps the draws of the rows it used)."""
         params = [r.sampling_params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in params)
         penalised = [i for i, p in enumerate(params) if p.penalised]
@@ -186,20 +204,14 @@ class Sampler:
             self._check_left(logits, tokens, reqs, sorted({*restricted, *worded, *banning, *constrained}), banning)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
-        token_ids = tokens.tolist()
-        for i, state in states.items():  # only once every row has its token: a retry counts nothing twice
-            state.add(token_ids[i])
-        return self._results(token_ids, reqs, raw_logprobs)
+            row_draws = {} if draws is not None else None
+            tokens[rows] = self._sample(logits[rows], [reqs[i] for i in sampled], row_draws)
+            if draws is not None:
+                draws.update((sampled[i], state) for i, state in row_draws.items())
+        return tokens, states, raw_logprobs
 
     def _penalise(self, logits: torch.Tensor, reqs: list[Stream], rows: list[int]) -> dict[int, PenaltyState]:
-        states = {}
-        for i in rows:
-            req = reqs[i]
-            state = req.penalty_state
-            if state is None or state.num_counted != len(req.output_token_ids):
-                state = req.penalty_state = PenaltyState(req, logits.shape[-1], logits.device)
-            states[i] = state
+        states = {i: penalty_state(reqs[i], logits.shape[-1], logits.device) for i in rows}
         index = torch.tensor(rows, device=logits.device)
         repetition = torch.tensor([reqs[i].sampling_params.repetition_penalty for i in rows], dtype=torch.float32,
                                   device=logits.device)
@@ -283,7 +295,7 @@ class Sampler:
             first = next(iter(errors.values()))
             raise UnsatisfiableRequestError(first.field, first.rest, errors)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Stream]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Stream], draws: dict | None = None) -> torch.Tensor:
         device = logits.device
         params = [r.sampling_params for r in reqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -302,7 +314,10 @@ class Sampler:
         if len(seeded) < len(reqs):
             torch.rand(noise.shape, generator=self.generator, device=device, out=noise)  # every unseeded row at once
         for i in seeded:  # a seeded row's noise comes from its own stream alone
-            torch.rand(noise.shape[-1], generator=self._generator(reqs[i]), device=device, out=noise[i])
+            generator = self._generator(reqs[i])
+            torch.rand(noise.shape[-1], generator=generator, device=device, out=noise[i])
+            if draws is not None:
+                draws[i] = generator.get_state()
         return (probs / noise.log_().neg_()).argmax(dim=-1)
 
     @staticmethod

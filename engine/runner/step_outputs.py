@@ -12,12 +12,21 @@ from typing import Callable
 import torch
 
 from engine import structured_output
+from engine.runner import verify_rows
 from engine.runner.runner_streams import CachedRequestState
 from engine.runner.sampler import Sampler
 from engine.sampling_params import UnsatisfiableRequestError
 from engine.scheduler_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def accepted_length(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts are accepted: those that equal the chosen token at their row, in order."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
 
 
 class StepOutputs:
@@ -62,18 +71,66 @@ class StepOutputs:
 
     def verify(self, out: ModelRunnerOutput, logits: torch.Tensor,
                streams: list[tuple[CachedRequestState, list[int]]]) -> None:
-        """Greedy verification, exact: the model's argmax at each of a stream's rows (as the sampler
-        takes it for a greedy row); the drafts it agrees with, in order, are accepted, and the
-        argmax after the last of them is the model's own next token."""
-        targets = self.sampler.argmax(logits).tolist()
-        row = 0
-        for state, drafts in streams:
-            chosen = targets[row:row + len(drafts) + 1]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
-                accepted += 1
-            out.verified.append((state.req_id, chosen[:accepted + 1]))
+        """Each speculating stream's rows get the token the sampler chooses there, as it chooses a
+        plain decode's (greedy: the argmax; sampled: a draw from the processed distribution p, the
+        row following the drafts before it). The drafts that equal those choices, in order, are
+        accepted, then the choice after the last of them. For a sampled row this is the rejection
+        rule for a point-mass proposal: the draw equals the draft d with probability p(d), and
+        otherwise follows p without d, renormalised (the residual); after every draft, a bonus
+        token from p. A seeded stream keeps only the draws of the rows it used, so its tokens are
+        the ones it samples without speculation (they differ only where the verify step's logits
+        round differently)."""
+        rows = [0]
+        for _, drafts in streams:
+            rows.append(rows[-1] + len(drafts) + 1)
+        try:
+            chosen, draws = self._choose_rows(logits, streams)
+        except Exception:
+            logger.warning("batched verification raised; verifying each stream alone to find the one at fault")
+            chosen, draws = [], {}
+            for i, item in enumerate(streams):
+                try:
+                    part, part_draws = self._choose_rows(logits[rows[i]:rows[i + 1]], [item])
+                    chosen += part
+                    draws.update((rows[i] + r, g) for r, g in part_draws.items())
+                except Exception:
+                    chosen.append(None)  # sampled below as a plain decode: it fails alone if that raises
+        for i, ((state, drafts), targets) in enumerate(zip(streams, chosen)):
+            if targets is None:
+                for state, token in self._sample_rows(out, logits[rows[i]:rows[i] + 1], [state]):
+                    out.verified.append((state.req_id, [token.token_id]))
+                continue
+            accepted = accepted_length(drafts, targets)
+            tokens = drafts[:accepted] + [targets[accepted]]
+            if rows[i] + accepted in draws:  # a seeded stream goes on after the last row it used
+                state.generator.set_state(draws[rows[i] + accepted])
+            if state.sampling_params.penalised:
+                for token in tokens:
+                    state.penalty_state.add(token)
+            out.verified.append((state.req_id, tokens))
+
+    def _choose_rows(self, logits: torch.Tensor, streams: list[tuple[CachedRequestState, list[int]]]):
+        """The sampler's token at every row, per stream, and the seeded rows' generator states after
+        their draws, by row; a seeded generator is put back as it was if the sampler raises."""
+        seeded = [s for s, _ in streams if not s.sampling_params.greedy and s.sampling_params.seed is not None]
+        before = [(s, None if s.generator is None else s.generator.get_state()) for s in seeded]
+        draws = {}
+        try:
+            tokens, _, _ = self.sampler.choose(logits, verify_rows.row_views(streams, logits.shape[-1],
+                                                                             logits.device), draws)
+        except Exception:
+            for s, state in before:
+                if state is None:
+                    s.generator = None
+                else:
+                    s.generator.set_state(state)
+            raise
+        tokens = tokens.tolist()
+        chosen, row = [], 0
+        for _, drafts in streams:
+            chosen.append(tokens[row:row + len(drafts) + 1])
             row += len(drafts) + 1
+        return chosen, draws
 
     def _sample_rows(self, out: ModelRunnerOutput, logits: torch.Tensor, streams: list[CachedRequestState]):
         """(stream, token) for the streams sampling does not fail."""
