@@ -274,9 +274,10 @@ class EngineConfig:
 
     speculative_config: dict | None = _knob(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                                                   "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
-                                                  "\"prompt_lookup_min\": M}: greedy requests decode up to K "
-                                                  "tokens a step that continue an earlier occurrence of their last "
-                                                  "M..N tokens, verified exactly by the model (default: off)")
+                                                  "\"prompt_lookup_min\": M}: requests decode up to K tokens a "
+                                                  "step that continue an earlier occurrence of their last M..N "
+                                                  "tokens, verified by the model: greedy ones token for token, "
+                                                  "sampled ones from the same distribution (default: off)")
 
     enable_lora: bool = _knob(False, "serve LoRA adapters (PEFT folders) beside the base model: requests name one "
                                      "(vLLM's flag); off: no adapter weights are allocated")
