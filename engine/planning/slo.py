@@ -17,6 +17,10 @@ one token each or the next chunk of their prompt, then waiting prompts admitted 
 (max_num_batched_tokens) lasts. With c x prompt over the budget, prompts are prefilled over several steps and
 the first ones decode in steps that also carry the others' prompt chunks. TTFT, TPOT ((end - first token) /
 (output - 1), vLLM's definition) and throughput follow from the steps' times.
+Speculative decoding (`--num-speculative-tokens k --acceptance-rate a`): a decode step verifies k drafts a
+sequence, so it runs 1 + k rows a sequence (each through the LM head, each attending to the context) and
+yields (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", eq. 1, drafts accepted independently with probability a); TPOT is the step over that.
 Open loop (`--slo`, Poisson arrivals at a rate):
   TPOT           a decode step of the running batch, stretched by the prefills that share the engine
                  (continuous batching runs them in the same steps): step / (1 - arrival rate x prefill time)
@@ -54,6 +58,27 @@ class Device:
     attention_flops: float | None = None  # prefill attention's FLOP/s (None: flops x efficiency)
     dense_curve: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of all layers' work but attention (measure.py)
     head_curve: tuple[tuple[int, float], ...] = ()  # (rows, seconds) of the LM head
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """k draft tokens verified a decode step, each accepted with probability `acceptance`."""
+
+    k: int
+    acceptance: float
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verify step yields on average: the accepted drafts and the model's own next token."""
+        a = self.acceptance
+        return self.k + 1.0 if a >= 1 else (1 - a ** (self.k + 1)) / (1 - a)
+
+    @property
+    def rows(self) -> int:
+        return 1 + self.k
+
+
+NO_SPECULATION = Speculation(0, 0.0)  # one row and one token a sequence a step
 
 
 @dataclass(frozen=True)
@@ -103,9 +128,11 @@ def interpolate(curve: tuple[tuple[int, float], ...], rows: float) -> float:
 
 
 def decode_step_seconds(spec: ModelSpec, device: Device, batch: float, context: float, dtype_bytes: int,
-                        kv_dtype_bytes: int, tp: int = 1, weight_format: WeightFormat | None = None) -> float:
-    """`batch` sequences, one query each against `context` cached tokens."""
-    return step_seconds(spec, device, tokens=batch, sampled=batch, kv_tokens=batch * context, prefill_pairs=0,
+                        kv_dtype_bytes: int, tp: int = 1, weight_format: WeightFormat | None = None,
+                        speculation: Speculation = NO_SPECULATION) -> float:
+    """`batch` sequences, one query each (1 + k with speculation) against `context` cached tokens."""
+    rows = batch * speculation.rows
+    return step_seconds(spec, device, tokens=rows, sampled=rows, kv_tokens=rows * context, prefill_pairs=0,
                         dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp, weight_format=weight_format)
 
 
@@ -138,7 +165,8 @@ class Prediction:
 
 
 def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: float, *, tp: int, replicas: int,
-                      dtype_bytes: int, kv_dtype_bytes: int, weight_format: WeightFormat | None = None) -> Prediction:
+                      dtype_bytes: int, kv_dtype_bytes: int, weight_format: WeightFormat | None = None,
+                      speculation: Speculation = NO_SPECULATION) -> Prediction:
     """Steady state of `replicas` engines sharing `rate` requests per second (Poisson arrivals: their mean)."""
     per_replica = rate / replicas
     prefill = prefill_seconds(spec, device, load.prompt, dtype_bytes, tp, weight_format=weight_format)
@@ -148,8 +176,9 @@ def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: flo
     n, tpot = 1.0, 0.0
     for _ in range(ITERATIONS):
         context = load.prompt + load.output / 2
-        step = decode_step_seconds(spec, device, n, context, dtype_bytes, kv_dtype_bytes, tp, weight_format)
-        tpot = step / (1 - busy)
+        step = decode_step_seconds(spec, device, n, context, dtype_bytes, kv_dtype_bytes, tp, weight_format,
+                                   speculation)
+        tpot = step / (1 - busy) / speculation.tokens_per_step
         ttft = prefill + step / 2
         new = max(1.0, per_replica * (ttft + (load.output - 1) * tpot))
         if abs(new - n) < 1e-6 * n:
@@ -158,17 +187,18 @@ def predict_open_loop(spec: ModelSpec, device: Device, load: Workload, rate: flo
         if n > 1e7:
             return Prediction(math.inf, math.inf, math.inf, 0.0, 0.0, False)
     ttft = prefill + decode_step_seconds(spec, device, n, load.prompt, dtype_bytes, kv_dtype_bytes, tp,
-                                         weight_format) / 2
+                                         weight_format, speculation) / 2
     return Prediction(n, ttft, tpot, rate * load.output, rate, True)
 
 
 def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, concurrency: int, *, budget: int,
-                  dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1,
-                  weight_format: WeightFormat | None = None) -> tuple[list[float], list[float]]:
+                  dtype_bytes: int, kv_dtype_bytes: int, tp: int = 1, weight_format: WeightFormat | None = None,
+                  speculation: Speculation = NO_SPECULATION) -> tuple[list[float], list[float]]:
     """`concurrency` requests arriving together at an idle engine, replayed through the scheduler's rule
     (engine/core/scheduler.py, vLLM's: the running first, a token each or their prompt's next chunk, then waiting
-    prompts while the step's token budget lasts). Returns each request's first-token and last-token times."""
-    computed, generated = [0] * concurrency, [0] * concurrency
+    prompts while the step's token budget lasts). Returns each request's first-token and last-token times. With
+    speculation a decoding sequence takes 1 + k rows and gains its expected tokens a step (a fraction)."""
+    computed, generated = [0] * concurrency, [0.0] * concurrency
     first, last = [0.0] * concurrency, [0.0] * concurrency
     clock = 0.0
     while min(generated) < output:
@@ -182,31 +212,33 @@ def simulate_wave(spec: ModelSpec, device: Device, prompt: int, output: int, con
                 n = min(prompt - computed[r], left)
                 pairs += n * computed[r] + n * (n + 1) / 2  # causal: each query attends to the keys up to it
                 computed[r] += n
-            else:  # decode: one query against the prompt and the tokens generated so far
-                n = 1
-                kv_tokens += prompt + generated[r]
+            else:  # decode: one query (1 + k verifying drafts) against the prompt and the tokens so far
+                n = min(speculation.rows, left)
+                kv_tokens += n * (prompt + generated[r])
             if computed[r] == prompt:
-                sampling.append(r)
+                sampling.append((r, n))
             rows, left = rows + n, left - n
-        clock += step_seconds(spec, device, tokens=rows, sampled=len(sampling), kv_tokens=kv_tokens,
+        clock += step_seconds(spec, device, tokens=rows, sampled=sum(n for _, n in sampling), kv_tokens=kv_tokens,
                               prefill_pairs=pairs, dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp,
                               weight_format=weight_format)
-        for r in sampling:
-            generated[r] += 1
-            first[r] = clock if generated[r] == 1 else first[r]
+        for r, n in sampling:
+            gain = 1.0 if generated[r] == 0 or n == 1 else speculation.tokens_per_step  # a prompt's first token
+            first[r] = clock if generated[r] == 0 else first[r]
+            generated[r] = min(float(output), generated[r] + gain)
             last[r] = clock
     return first, last
 
 
 def predict_closed_loop(spec: ModelSpec, device: Device, load: Workload, concurrency: int, *, dtype_bytes: int,
                         kv_dtype_bytes: int, tp: int = 1, budget: int = 2048,
-                        weight_format: WeightFormat | None = None) -> Prediction:
+                        weight_format: WeightFormat | None = None,
+                        speculation: Speculation = NO_SPECULATION) -> Prediction:
     """`concurrency` clients with requests of equal lengths all queued at once (`engine bench serve
     --max-concurrency c --request-rate inf`): they run in waves of c that arrive together and, their lengths
     equal, finish together; TTFT and TPOT are the means over a wave's requests (simulate_wave)."""
     first, last = simulate_wave(spec, device, round(load.prompt), round(load.output), concurrency, budget=budget,
                                 dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tp=tp,
-                                weight_format=weight_format)
+                                weight_format=weight_format, speculation=speculation)
     ttft = sum(first) / concurrency
     tpot = sum((e - f) / max(1, load.output - 1) for f, e in zip(first, last)) / concurrency
     wave = max(last)
@@ -235,7 +267,8 @@ class SloError(ValueError):
 def plan_slo(spec: ModelSpec, device: Device, load: Workload, *, rate: float, ttft: float, tpot: float,
              tp_sizes: list[int], max_gpus: int, dtype_bytes: int, kv_dtype_bytes: int,
              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-             block_size: int = 16, weight_format: WeightFormat | None = None) -> SloPlan:
+             block_size: int = 16, weight_format: WeightFormat | None = None,
+             speculation: Speculation = NO_SPECULATION) -> SloPlan:
     """The layout with the fewest GPUs (then the lowest TPOT) that meets both targets."""
     best_miss: tuple[float, str, str] | None = None  # (relative miss, setting, message)
     for gpus in range(1, max_gpus + 1):
@@ -247,7 +280,7 @@ def plan_slo(spec: ModelSpec, device: Device, load: Workload, *, rate: float, tt
                                   kv_cache_memory_bytes=kv_cache_memory_bytes, weight_format=weight_format)
             seqs = memory.kv_capacity_tokens // load.longest
             p = predict_open_loop(spec, device, load, rate, tp=tp, replicas=replicas, dtype_bytes=dtype_bytes,
-                                  kv_dtype_bytes=kv_dtype_bytes, weight_format=weight_format)
+                                  kv_dtype_bytes=kv_dtype_bytes, weight_format=weight_format, speculation=speculation)
             misses = [(p.ttft / ttft - 1, "ttft_ms", f"TTFT {p.ttft * 1e3:,.1f} ms vs the {ttft * 1e3:,.1f} ms target"),
                       (p.tpot / tpot - 1, "tpot_ms", f"TPOT {p.tpot * 1e3:,.1f} ms vs the {tpot * 1e3:,.1f} ms target"),
                       (p.concurrency / max(seqs, 1e-9) - 1, "request_rate",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.planning.argtypes import positive_float, positive_int
 from engine.planning.hardware import GPUS
-from engine.planning.slo import Device, SloError, Workload, plan_slo, predict_closed_loop
+from engine.planning.slo import NO_SPECULATION, Device, SloError, Speculation, Workload, plan_slo, predict_closed_loop
 from engine.planning.spec import ModelSpec
 from engine.planning.steptime import DEFAULT_COMPUTE_EFFICIENCY
 from engine.planning.units import GiB, dtype_bytes
@@ -46,9 +46,35 @@ def add_slo_flags(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--tpot-ms", type=positive_float, help="time-per-output-token target, ms")
     g.add_argument("--max-gpus", type=positive_int, default=64, help="most GPUs the plan may use")
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="TP stays within a node's GPUs")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
+                   help="speculative decoding: K draft tokens verified a decode step (engine serve's "
+                        "--speculative-config num_speculative_tokens; default: none); needs --acceptance-rate")
+    g.add_argument("--acceptance-rate", type=_probability, default=None, metavar="A",
+                   help="with --num-speculative-tokens: the chance each draft token is accepted (engine bench "
+                        "reports the mean accepted length L; for K drafts, A solves (1 - A^(K+1)) / (1 - A) = L)")
     g.add_argument("--concurrency", type=counts,
                    help="instead: predict TPOT / TTFT / throughput of one replica at these closed-loop concurrencies "
                         "(as `engine bench serve --max-concurrency` measures them)")
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text!r}")
+    return value
+
+
+def speculation(args: argparse.Namespace) -> Speculation:
+    if (args.num_speculative_tokens is None) != (args.acceptance_rate is None):
+        given = "--num-speculative-tokens" if args.acceptance_rate is None else "--acceptance-rate"
+        other = "--acceptance-rate" if args.acceptance_rate is None else "--num-speculative-tokens"
+        args.parser.error(f"argument {given}: needs {other} too (speculation is K drafts accepted at a rate)")
+    if args.num_speculative_tokens is None:
+        return NO_SPECULATION
+    return Speculation(args.num_speculative_tokens, args.acceptance_rate)
 
 
 def engine_quantizations() -> tuple[str, ...]:
@@ -89,13 +115,15 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     nbytes, kv_bytes = dtype_bytes(dtype), dtype_bytes(kv_dtype)
     load = Workload(args.prompt_len, args.output_len)
+    spec_decode = speculation(args)
     dev = device(args, spec)
     if args.gpu == "cpu" and args.kv_cache_memory is None:
         args.parser.error("argument --kv-cache-memory: on a CPU give the KV budget (e.g. 2GiB), as `engine serve` does")
     if args.concurrency:
         rows = [asdict(predict_closed_loop(spec, dev, load, c, dtype_bytes=nbytes, kv_dtype_bytes=kv_bytes,
                                            budget=args.max_num_batched_tokens or 2048,
-                                           weight_format=args.weights)) for c in args.concurrency]
+                                           weight_format=args.weights, speculation=spec_decode))
+                for c in args.concurrency]
         table = "\n".join([f"{spec.name} on {dev.name}: {load.prompt:g} prompt / {load.output:g} output tokens",
                            "concurrency  TTFT ms  TPOT ms  output tok/s"]
                           + [f"{r['concurrency']:>11g}  {r['ttft'] * 1e3:7.1f}  {r['tpot'] * 1e3:7.2f}  "
@@ -115,7 +143,7 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
                         tp_sizes=tp_sizes, max_gpus=1 if cpu else args.max_gpus, dtype_bytes=nbytes,
                         kv_dtype_bytes=kv_bytes, kv_cache_memory_bytes=args.kv_cache_memory,
                         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                        weight_format=args.weights)
+                        weight_format=args.weights, speculation=spec_decode)
     except SloError as e:
         args.parser.error(f"argument --{e.setting.replace('_', '-')}: {e.message}")
     weights = _weights_path(args.model)
@@ -127,6 +155,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         command += ["--tensor-parallel-size", str(plan.tp)]
     if plan.replicas > 1:
         command += ["--data-parallel-size", str(plan.replicas)]
+    if spec_decode.k:
+        command += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": spec_decode.k})]
     command += (["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory is not None
                 else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)])
     p = plan.prediction
@@ -139,6 +169,8 @@ def run_slo(args: argparse.Namespace, spec: ModelSpec) -> int:
         *([f"weights         linear layers in {args.weights.name} ({args.weights.bits_per_weight:g} bits a weight, "
             "scales included)" + (f", LM head in {args.weights.head_as}" if args.weights.lm_head else "")]
           if args.weights else []),
+        *([f"speculation     {spec_decode.k} drafts a step, each accepted at {spec_decode.acceptance:g}: "
+            f"{spec_decode.tokens_per_step:.2f} tokens a verify step"] if spec_decode.k else []),
         f"max_num_seqs    {plan.max_num_seqs} (running per replica predicted: {p.concurrency:,.1f})",
         f"KV budget       {plan.kv_budget_bytes / GiB:,.2f} GiB per GPU = {plan.kv_capacity_tokens:,} tokens",
         f"predicted       TTFT {p.ttft * 1e3:,.1f} ms, TPOT {p.tpot * 1e3:,.2f} ms, {p.throughput:,.1f} output tok/s",

@@ -75,3 +75,50 @@ def test_cpu_device_is_measured_through_the_engine_kernels_and_predicts():
     assert not dev.overlap and dev.kv_bw > 0 and dev.attention_flops > 0
     p = predict_closed_loop(spec, dev, Workload((16,), (8,)), 4, dtype_bytes=2, kv_dtype_bytes=2, budget=64)
     assert 0 < p.ttft < 1 and 0 < p.tpot < 1 and p.throughput > 0
+
+
+@pytest.mark.parametrize("k, a, tokens", [(4, 0.0, 1.0), (4, 1.0, 5.0), (4, 0.5, 1.9375), (1, 0.8, 1.8)])
+def test_speculation_yields_the_expected_accepted_length(k, a, tokens):
+    """Leviathan et al. 2023, eq. 1: (1 - a^(k+1)) / (1 - a) tokens a verify step."""
+    from engine.planning.slo import Speculation
+
+    assert Speculation(k, a).tokens_per_step == pytest.approx(tokens)
+
+
+def test_speculation_in_the_closed_loop_replay_and_the_roofline():
+    from engine.planning.slo import (Device, Speculation, Workload, decode_step_seconds, predict_closed_loop,
+                                     simulate_wave)
+    from engine.planning.spec import ModelSpec
+
+    spec = ModelSpec("t", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=128,
+                     vocab_size=256)
+    one_second = Device("steps of 1 s", None, flops=float("inf"), memory_bw=float("inf"), efficiency=1.0,
+                        overlap=False, dense_curve=((1, 1.0), (4096, 1.0)), head_curve=((1, 0.0), (4096, 0.0)))
+    # Every draft accepted (k = 3): the prompt's step gives the first token, then 4 tokens a step.
+    first, last = simulate_wave(spec, one_second, 16, 65, 1, budget=2048, dtype_bytes=2, kv_dtype_bytes=2,
+                                speculation=Speculation(3, 1.0))
+    assert (first, last) == ([1.0], [17.0])
+    p = predict_closed_loop(spec, one_second, Workload((16,), (65,)), 1, dtype_bytes=2, kv_dtype_bytes=2,
+                            speculation=Speculation(3, 1.0))
+    assert p.tpot == 16 / 64
+    # A memory-bound step (batch 1 on a GPU) costs about the same verifying 4 drafts: speculation is worth
+    # about its accepted length there, and nothing when no draft is accepted.
+    from engine.planning.presets import PRESETS
+
+    eight_b = ModelSpec.from_hf_config(PRESETS["llama-3-8b"])
+    gpu = Device("gpu", 80 << 30, flops=1e15, memory_bw=3e12)
+    plain = decode_step_seconds(eight_b, gpu, 1, 512, 2, 2)
+    verify = decode_step_seconds(eight_b, gpu, 1, 512, 2, 2, speculation=Speculation(4, 0.8))
+    assert plain <= verify < 1.05 * plain
+    assert plain / (verify / Speculation(4, 0.8).tokens_per_step) == pytest.approx(3.36, rel=0.05)
+
+
+def test_speculation_flags_come_in_pairs():
+    done = plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40", "--num-speculative-tokens", "4")
+    assert done.returncode == 2 and "--acceptance-rate" in done.stderr.splitlines()[-1]
+    done = plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40", "--num-speculative-tokens", "4", "--acceptance-rate", "2")
+    assert done.returncode == 2 and "probability" in done.stderr.splitlines()[-1]
+    fast = json.loads(plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40", "--num-speculative-tokens", "4",
+                           "--acceptance-rate", "0.8", "--json").stdout)
+    plain = json.loads(plan(*SLO, "--ttft-ms", "1000", "--tpot-ms", "40", "--json").stdout)
+    assert fast["prediction"]["tpot"] < plain["prediction"]["tpot"]

@@ -60,6 +60,8 @@ def test_the_command_for_a_model_folder_runs_as_printed(tiny_model_dir, tmp_path
 def test_the_command_for_a_preset_runs_as_printed_with_model_set(tiny_model_dir, tmp_path):
     done = plan("serve", "--slo", "--model", "llama-3-8b", *GPU)
     assert "# MODEL: the folder of llama-3-8b's config.json" in done.stdout
-    line = _printed_command("--model", "llama-3-8b", *GPU)
-    assert '--model "$MODEL"' in line
+    # with speculation: the plan's --speculative-config JSON survives the paste
+    line = _printed_command("--model", "llama-3-8b", *GPU, "--num-speculative-tokens", "3",
+                            "--acceptance-rate", "0.6")
+    assert '--model "$MODEL"' in line and """--speculative-config '{"method": "ngram", """ in line
     _serves(line, tmp_path, {"MODEL": tiny_model_dir})
