@@ -11,7 +11,8 @@ then only what changed; it tracks on each Request what the runner already holds.
 With speculative decoding on, a decoding stream that may speculate (speculates()) gets draft
 tokens (engine/core/ngram_proposer.py) computed in the same step after its last token; only the
 ones the model agrees with count as computed (accept_drafts), and blocks that held nothing but
-rejected drafts go back to the pool."""
+rejected drafts go back to the pool; a stream whose drafts keep failing backs off
+(engine/core/draft_backoff.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What a step hands back beyond its forward: sampling (a batch at once, or stream by stream to find
-the one at fault), structured output's grammars, pooled embeddings and prompt logprobs. The sampling
-rank's ModelRunner holds one and hands it each step's logits and hidden states; a stream whose own
-data makes one of these raise is reported in the step's output (`failed`), so the core fails that
-request alone."""
+the one at fault), the verification of draft tokens, structured output's grammars, pooled
+embeddings and prompt logprobs. The sampling rank's ModelRunner holds one and hands it each step's
+logits and hidden states; a stream whose own data makes one of these raise is reported in the
+step's output (`failed`), so the core fails that request alone."""
 
 from __future__ import annotations
 

@@ -128,9 +128,9 @@ def test_preemption_and_a_mixed_batch_keep_every_output(tiny_models):
     path = tiny_models("llama")
     greedy = COPY_HEAVY + [_random_prompt(30, seed=2)]
     others = [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),  # no drafts
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),  # penalised drafts
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),  # no drafts
-        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=40, ignore_eos=True),  # sampled
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=40, ignore_eos=True),  # sampled drafts
     ]
     prompts = greedy + [[100] * 20] * len(others)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(greedy) + others

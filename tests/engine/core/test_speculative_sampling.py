@@ -102,7 +102,6 @@ PROCESSING = [
 ]
 
 
-@pytest.mark.slow
 def test_a_seeded_request_gives_its_tokens_without_speculation(tiny_models):
     path = tiny_models("llama")
     params = [SamplingParams(seed=seed, max_tokens=24, ignore_eos=True, **p) for p in PROCESSING for seed in range(4)]
