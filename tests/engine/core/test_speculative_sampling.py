@@ -9,12 +9,18 @@ import collections
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from engine import LLM, SamplingParams
 from engine.core import draft_backoff, ngram_proposer
 from engine.core.draft_backoff import DraftBackoff
+from engine.core.scheduler import speculates
 from engine.runner import step_outputs
+from engine.runner.runner_streams import CachedRequestState
+from engine.runner.sampler import Sampler
+from engine.sampling_params import GrammarSpec
+from engine.scheduler_output import ModelRunnerOutput, NewRequestData
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 # The tiny Llama's greedy text after [100] * 16 is the cycle 425, 463; quoted in the prompt, prompt
@@ -170,3 +176,30 @@ def test_drafts_that_never_match_become_rare_and_matching_ones_are_unaffected(ti
     out, stats = run(lambda tokens, k, *_: reference[len(tokens) - len(prompt):][:k])
     assert out == reference
     assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] == len(reference) - 1 - stats["num_drafts"]
+
+
+def test_what_speculates_and_what_is_refused():
+    assert speculates(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, presence_penalty=1.0, logit_bias={1: 2.0},
+                                     allowed_token_ids=[1, 2], min_tokens=3, n=2, seed=3))
+    assert not speculates(SamplingParams(temperature=1.0, logprobs=0))  # not reported for verified tokens
+    assert not speculates(SamplingParams(structured_outputs=GrammarSpec.of("regex", "a+")))  # the matcher
+    assert not speculates(SamplingParams(pooling="mean"))
+
+
+def _stream(req_id: str, output: list[int], params: SamplingParams) -> CachedRequestState:
+    return CachedRequestState(NewRequestData(req_id, 0, [1], list(output), params, [], 0))
+
+
+def test_a_stream_whose_draft_row_leaves_no_token_is_verified_as_a_plain_decode_alone():
+    # Token 2 after 3 is allowed, but after 3, 2 both allowed tokens complete a bad word: the second
+    # row leaves nothing. The stream gets its plain decode's token (drafts rejected, as if it had
+    # decoded one token), and the greedy stream beside it is verified as ever.
+    bad = _stream("bad", [3], SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[2, 3],
+                                             bad_words_token_ids=[[2, 2], [2, 3]]))
+    greedy = _stream("greedy", [0], SamplingParams(temperature=0.0))
+    logits = torch.full((5, 6), -5.0)
+    logits[0, 2] = logits[1, 2] = logits[2, 2] = logits[3, 4] = logits[4, 5] = 20.0
+    verifier = step_outputs.StepOutputs(Sampler([], seed=0, device=torch.device("cpu")), None, None)
+    out = ModelRunnerOutput()
+    verifier.verify(out, logits, [(bad, [2, 2]), (greedy, [4])])
+    assert out.verified == [("bad", [2]), ("greedy", [4, 5])] and out.failed == []
