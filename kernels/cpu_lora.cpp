@@ -7,9 +7,9 @@
 //   tokens share each load of its adapter's weights and read them from memory once per call.
 //   shrink  work items are (up to 4 tokens of one slot, 4 rows of A): vectorised dot products over
 //           K, the tokens sharing each load of A's rows and the rows each load of x.
-//   expand  work items are blocks of kExpandRows output columns of one slice: a slot's one or two
-//           tokens take a dot product of R per column; more share the block's B rows transposed
-//           once, so that each token's sums are broadcast FMAs over columns (no horizontal sums).
+//   expand  work items are blocks of kExpandRows output columns of one slice: a slot's tokens share
+//           the block's B rows, transposed once in registers, so that each token's sums are
+//           broadcast FMAs over columns (no horizontal sums).
 //
 // Shapes: x [T, K] (rows contiguous, any row stride), lora_a [S, N, K], token_slots [T] int32
 // (-1: no adapter), buf [T, N] float32, y [T, M] (rows contiguous), lora_b [S, M, R], out_slices with
@@ -33,7 +33,7 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kF = fVec::size();
-constexpr int64_t kRows = 4;            // rows of A or B sharing each load of x or of the buffer
+constexpr int64_t kRows = 4;            // rows of A sharing each load of x
 constexpr int64_t kExpandRows = 64;     // output columns of one expand work item
 constexpr int64_t kItemWork = 1 << 15;  // multiply-adds below which a loop chunk is not worth a thread
 
@@ -72,23 +72,6 @@ inline fVec load_f(const T* p, int64_t n = kF) {
 
 inline float sum_lanes(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
-}
-
-// out[i] = a[i * lda : i * lda + len] . v for ROWS rows of a, in float32.
-template <int ROWS, typename T, typename V>
-inline void dot_rows(const T* a, int64_t lda, const V* v, int64_t len, float* out) {
-  fVec acc[ROWS];
-  for (int i = 0; i < ROWS; ++i) acc[i] = fVec(0.f);
-  int64_t k = 0;
-  for (; k + kF <= len; k += kF) {
-    const fVec vv = load_f(v + k);
-    for (int i = 0; i < ROWS; ++i) acc[i] = at::vec::fmadd(load_f(a + i * lda + k), vv, acc[i]);
-  }
-  if (k < len) {
-    const fVec vv = load_f(v + k, len - k);
-    for (int i = 0; i < ROWS; ++i) acc[i] = at::vec::fmadd(load_f(a + i * lda + k, len - k), vv, acc[i]);
-  }
-  for (int i = 0; i < ROWS; ++i) out[i] = sum_lanes(acc[i]);
 }
 
 // Every slot in [-1, slots) (read once, serially, so that the threaded loops never index out of range).
@@ -254,36 +237,70 @@ inline void add_f(T* y, const fVec& sums, int64_t n) {
   store_f(y, load_f(y, n) + round_f<T>(sums), n);
 }
 
-// Columns of one block as float rows of B^T: bt[k * kExpandRows + j] = B[col + j, k], for the rows
-// j < n (rows up to the next multiple of kF are zero). B's n rows are one contiguous run of n * r
-// elements: widened to float into tmp first, then each column k of kF rows is one gather.
+// v[c] becomes column c of the kF x kF matrix whose rows were v[0 .. kF): a transpose in registers.
+inline void transpose_in_registers(fVec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Within each 128-bit lane, four rows at a time: u[4g + e] holds, lane L, rows 4g..4g+3 of column 4L + e.
+  __m512 u[16];
+  for (int g = 0; g < 4; ++g) {
+    const __m512 t0 = _mm512_unpacklo_ps(v[4 * g], v[4 * g + 1]), t1 = _mm512_unpackhi_ps(v[4 * g], v[4 * g + 1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[4 * g + 2], v[4 * g + 3]);
+    const __m512 t3 = _mm512_unpackhi_ps(v[4 * g + 2], v[4 * g + 3]);
+    u[4 * g] = _mm512_shuffle_ps(t0, t2, 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t1, t3, 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+  }
+  // Then the 4 x 4 transpose of 128-bit lanes: column 4L + e is lane L of u[e], u[4 + e], u[8 + e], u[12 + e].
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44), b = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
+    v[e] = fVec(_mm512_shuffle_f32x4(a, c, 0x88));
+    v[4 + e] = fVec(_mm512_shuffle_f32x4(a, c, 0xDD));
+    v[8 + e] = fVec(_mm512_shuffle_f32x4(b, d, 0x88));
+    v[12 + e] = fVec(_mm512_shuffle_f32x4(b, d, 0xDD));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 u[8];
+  for (int g = 0; g < 2; ++g) {
+    const __m256 t0 = _mm256_unpacklo_ps(v[4 * g], v[4 * g + 1]), t1 = _mm256_unpackhi_ps(v[4 * g], v[4 * g + 1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[4 * g + 2], v[4 * g + 3]);
+    const __m256 t3 = _mm256_unpackhi_ps(v[4 * g + 2], v[4 * g + 3]);
+    u[4 * g] = _mm256_shuffle_ps(t0, t2, 0x44);
+    u[4 * g + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    u[4 * g + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    u[4 * g + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    v[e] = fVec(_mm256_permute2f128_ps(u[e], u[4 + e], 0x20));
+    v[4 + e] = fVec(_mm256_permute2f128_ps(u[e], u[4 + e], 0x31));
+  }
+#else
+  float m[kF][kF];
+  for (int64_t i = 0; i < kF; ++i) v[i].store(m[i]);
+  for (int64_t c = 0; c < kF; ++c) {
+    float column[kF];
+    for (int64_t i = 0; i < kF; ++i) column[i] = m[i][c];
+    v[c] = fVec::loadu(column);
+  }
+#endif
+}
+
+// Columns of one block as float rows of B^T: bt[k * kExpandRows + j] = B[col + j, k] for the rows
+// j < n, zero up to the next multiple of kF: kF x kF tiles of B widened and transposed in registers.
 template <typename T>
-void transpose_block(const T* rows, int64_t r, int64_t n, float* tmp, float* bt) {
-  const int64_t padded = (n + kF - 1) / kF * kF, count = n * r;
-  int64_t e = 0;
-  for (; e + kF <= count; e += kF) load_f(rows + e).store(tmp + e);
-  if (e < count) load_f(rows + e, count - e).store(tmp + e, count - e);
-  std::fill(tmp + count, tmp + padded * r, 0.f);
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  alignas(64) int32_t lanes[kF];
-  for (int64_t j = 0; j < kF; ++j) lanes[j] = static_cast<int32_t>(j * r);
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i index = _mm512_load_si512(lanes);
-#else
-  const __m256i index = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-#endif
-  for (int64_t j = 0; j < padded; j += kF)
-    for (int64_t k = 0; k < r; ++k) {
-#if defined(CPU_CAPABILITY_AVX512)
-      fVec(_mm512_i32gather_ps(index, tmp + j * r + k, 4)).store(bt + k * kExpandRows + j);
-#else
-      fVec(_mm256_i32gather_ps(tmp + j * r + k, index, 4)).store(bt + k * kExpandRows + j);
-#endif
+void transpose_block(const T* rows, int64_t r, int64_t n, float* bt) {
+  for (int64_t j0 = 0; j0 < n; j0 += kF) {
+    const int64_t nj = std::min(kF, n - j0);
+    for (int64_t k0 = 0; k0 < r; k0 += kF) {
+      const int64_t nk = std::min(kF, r - k0);
+      fVec tile[kF];
+      for (int64_t i = 0; i < kF; ++i) tile[i] = i < nj ? load_f(rows + (j0 + i) * r + k0, nk) : fVec(0.f);
+      transpose_in_registers(tile);
+      for (int64_t c = 0; c < nk; ++c) tile[c].store(bt + (k0 + c) * kExpandRows + j0);
     }
-#else
-  for (int64_t j = 0; j < padded; ++j)
-    for (int64_t k = 0; k < r; ++k) bt[k * kExpandRows + j] = tmp[j * r + k];
-#endif
+  }
 }
 
 constexpr int kTileTokens = 4;                 // tokens of one register tile
@@ -308,26 +325,14 @@ inline void expand_tile(const float* bt, int64_t r, const float* const* v, T* co
       add_f(y[i] + c * kF, acc[i][c], std::min(kF, cols - c * kF));
 }
 
-// The slot's tokens order[first .. last) add their slice's buf row times B's rows col .. col + n.
-// One or two tokens take a dot product of R per row; more share B's rows transposed once (bt), so
-// that each token's sums are broadcast FMAs with no horizontal sums, B read once per slot.
+// The slot's tokens order[first .. last) add their slice's buf row times B's rows col .. col + n:
+// B's rows transposed once (bt) serve all of them, each token's sums broadcast FMAs over columns
+// with no horizontal sums (faster than a dot product of R per column even for one token).
 template <typename T>
 void expand_block(T* yp, int64_t stride, const float* buf, int64_t n_buf, const T* b, int64_t r, int64_t col,
-                  int64_t n, int64_t slice, const int64_t* order, int64_t first, int64_t last, float* tmp, float* bt) {
+                  int64_t n, int64_t slice, const int64_t* order, int64_t first, int64_t last, float* bt) {
   const T* rows = b + col * r;
-  if (last - first <= 2) {
-    float sums[kExpandRows];
-    for (int64_t i = first; i < last; ++i) {
-      const float* v = buf + order[i] * n_buf + slice * r;
-      int64_t j = 0;
-      for (; j + kRows <= n; j += kRows) dot_rows<kRows>(rows + j * r, r, v, r, sums + j);
-      for (; j < n; ++j) dot_rows<1>(rows + j * r, r, v, r, sums + j);
-      T* out = yp + order[i] * stride + col;
-      for (j = 0; j < n; j += kF) add_f(out + j, fVec::loadu(sums + j, std::min(kF, n - j)), std::min(kF, n - j));
-    }
-    return;
-  }
-  transpose_block(rows, r, n, tmp, bt);
+  transpose_block(rows, r, n, bt);
   for (int64_t c = 0; c < n; c += kTileVecs * kF) {
     const int64_t cols = std::min(kTileVecs * kF, n - c);
     for (int64_t i = first; i < last; i += kTileTokens) {
@@ -362,13 +367,13 @@ void expand_impl(at::Tensor& y, const at::Tensor& buf, const at::Tensor& lora_b,
   const int64_t per_block = kExpandRows * r * static_cast<int64_t>(order.size());
   const int64_t grain = std::max<int64_t>(1, kItemWork / std::max<int64_t>(per_block, 1));
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(kExpandRows * r), bt(kExpandRows * r);
+    std::vector<float> bt(kExpandRows * r);
     for (int64_t item = begin; item < end; ++item) {
       const Block& block = blocks[item];
       for (int64_t s = 0; s < num_slots; ++s) {
         if (starts[s] == starts[s + 1]) continue;
         expand_block(yp, stride, buf_p, n_buf, bp + s * m * r, r, block.begin, block.end - block.begin, block.slice,
-                     order.data(), starts[s], starts[s + 1], tmp.data(), bt.data());
+                     order.data(), starts[s], starts[s + 1], bt.data());
       }
     }
   });
