@@ -412,6 +412,10 @@ void lora_expand(at::Tensor& y, const at::Tensor& buf, const at::Tensor& lora_b,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // For kernels/cpu_ops.cpp's DecoderLayers, which adds the adapters without a trip through Python.
+  m.def("addresses", []() {
+    return std::vector<int64_t>{reinterpret_cast<int64_t>(&lora_shrink), reinterpret_cast<int64_t>(&lora_expand)};
+  });
   m.def("lora_shrink", &lora_shrink, "buf [T, N] float32 = x @ lora_a[slot]^T per token (0 for slot -1)");
   m.def("lora_expand", &lora_expand, "y += buf @ lora_b[slot]^T per output slice, in place (slot -1 untouched)");
 }

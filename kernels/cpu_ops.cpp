@@ -1395,43 +1395,11 @@ at::Tensor layer_linear(Linears linear, const at::Tensor& x, const at::Tensor& w
   return stack.back().toTensor();
 }
 
-// y += each token's adapter's B A x, as engine/layers/lora.py's modules add it (kernels/reference.py
-// lora_shrink / lora_expand): A [slots, parts * rank, in] and B [slots, out, rank] of one layer, a
-// part per fused checkpoint module (`slices`: its output rows), slot -1 for none; the sums in float32,
-// added to y in y's dtype with one rounding. Tokens are few here (a decode step), so ATen's matmuls
-// per adapter present are cheap beside the layer's own.
-void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const int32_t* slots,
-              const int64_t* slices, int64_t parts) {
-  const int64_t tokens = x.size(0), rank = b.size(2);
-  std::vector<int32_t> seen;
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] >= 0 && std::find(seen.begin(), seen.end(), slots[t]) == seen.end()) seen.push_back(slots[t]);
-  }
-  for (int32_t s : seen) {
-    std::vector<int64_t> rows;
-    for (int64_t t = 0; t < tokens; ++t) {
-      if (slots[t] == s) rows.push_back(t);
-    }
-    const bool all = static_cast<int64_t>(rows.size()) == tokens;
-    at::Tensor idx;
-    if (!all) {
-      idx = at::empty({static_cast<int64_t>(rows.size())}, at::kLong);
-      std::copy(rows.begin(), rows.end(), idx.data_ptr<int64_t>());
-    }
-    const at::Tensor xs = (all ? x : x.index_select(0, idx)).to(at::kFloat);
-    const at::Tensor buf = xs.matmul(a[s].to(at::kFloat).t());
-    at::Tensor sums = at::empty({xs.size(0), y.size(1)}, xs.options());
-    for (int64_t p = 0, offset = 0; p < parts; offset += slices[p], ++p) {
-      sums.narrow(1, offset, slices[p])
-          .copy_(buf.narrow(1, p * rank, rank).matmul(b[s].narrow(0, offset, slices[p]).to(at::kFloat).t()));
-    }
-    if (all) {
-      y.add_(sums);
-    } else {
-      y.index_copy_(0, idx, (y.index_select(0, idx).to(at::kFloat) + sums).to(y.scalar_type()));
-    }
-  }
-}
+// kernels/cpu_lora.cpp's two ops (engine/layers/lora.py calls them per linear; so does DecoderLayers):
+// y += each token's adapter's B A x, the sums in float32, slot -1 for none.
+using LoraShrinkFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using LoraExpandFn = void (*)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::vector<int64_t>&);
 
 // A model's decoder layers bound once: the per-layer weights, formats, caches and scales, the
 // attention shape and the matmuls' addresses. A step then passes only its own tensors, not the
@@ -1446,9 +1414,11 @@ struct DecoderLayers {
   double eps, scale;
   Linears linear;
   // LoRA (bind_lora): per layer A and B of qkv, o, gate_up, down (8 tensors, the modules' slots, filled
-  // in place) and the output rows of each part (qkv's 3, o's 1, gate_up's 2, down's 1: 7 a layer).
+  // in place), each linear's output rows per part (qkv's 3, o's 1, gate_up's 2, down's 1), the two ops.
   std::vector<at::Tensor> lora;
-  std::vector<int64_t> lora_slices;
+  std::vector<std::vector<int64_t>> lora_slices;
+  LoraShrinkFn lora_shrink = nullptr;
+  LoraExpandFn lora_expand = nullptr;
 
   DecoderLayers(std::vector<at::Tensor> weights_, std::vector<int64_t> formats_, std::vector<at::Tensor> caches_,
                 std::vector<double> kv_scales_, int64_t num_heads_, int64_t num_kv_heads_, double eps_, double scale_,
@@ -1465,12 +1435,15 @@ struct DecoderLayers {
                 "DecoderLayers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
   }
 
-  void bind_lora(std::vector<at::Tensor> ab, std::vector<int64_t> slices) {
+  void bind_lora(std::vector<at::Tensor> ab, std::vector<std::vector<int64_t>> slices, int64_t shrink_address,
+                 int64_t expand_address) {
     const size_t layers = weights.size() / kLayerWeights;
-    TORCH_CHECK(ab.size() == 8 * layers && slices.size() == 7 * layers,
-                "DecoderLayers.bind_lora: A and B of 4 linears and 7 part sizes a layer");
+    TORCH_CHECK(ab.size() == 8 * layers && slices.size() == 4 * layers,
+                "DecoderLayers.bind_lora: A and B of 4 linears a layer, and each linear's part sizes");
     lora = std::move(ab);
     lora_slices = std::move(slices);
+    lora_shrink = reinterpret_cast<LoraShrinkFn>(shrink_address);
+    lora_expand = reinterpret_cast<LoraExpandFn>(expand_address);
   }
 
   // (hidden, residual) after every layer, for a step's hidden states [tokens, hidden] (residual
@@ -1492,12 +1465,14 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
   TORCH_CHECK(!adapted || (!lora.empty() && lora_slots->scalar_type() == at::kInt && lora_slots->is_contiguous() &&
                            lora_slots->numel() == hidden.size(0)),
               "DecoderLayers: lora_slots need bind_lora and one int32 slot a token");
-  const int32_t* slots = adapted ? lora_slots->data_ptr<int32_t>() : nullptr;
-  // The layer's linear, then its adapters' B A x (parts: how many fused modules it holds).
+  // The layer's linear, then its adapters' B A x.
   auto adapted_linear = [&](size_t l, int which, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
-                            const at::Tensor& bias, const int64_t* parts_at, int64_t parts) {
+                            const at::Tensor& bias) {
     auto y = layer_linear(linear, x, w, fmt, bias);
-    if (adapted) lora_add(y, x, lora[8 * l + 2 * which], lora[8 * l + 2 * which + 1], slots, parts_at, parts);
+    if (adapted) {
+      const at::Tensor buf = lora_shrink(x, lora[8 * l + 2 * which], *lora_slots);
+      lora_expand(y, buf, lora[8 * l + 2 * which + 1], *lora_slots, lora_slices[4 * l + which]);
+    }
     return y;
   };
   const int64_t tokens = hidden.size(0), heads = num_heads + num_kv_heads, rows = row_seq.numel();
@@ -1514,8 +1489,7 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
       x = outs[0];
       res = outs[1];
     }
-    const int64_t* sl = adapted ? &lora_slices[7 * l] : nullptr;
-    auto qkv = adapted_linear(l, 0, x, w[1], f[0], w[6], sl, 3);
+    auto qkv = adapted_linear(l, 0, x, w[1], f[0], w[6]);
     const int64_t head_dim = qkv.size(1) / (heads + num_kv_heads);
     auto qk = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     auto v = qkv.narrow(1, heads * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
@@ -1532,11 +1506,11 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
                     0.0, c10::nullopt);
     if (rows < tokens) o.narrow(0, rows, tokens - rows).zero_();
     const at::Tensor none;
-    auto attn = adapted_linear(l, 1, o.view({tokens, num_heads * head_dim}), w[2], f[1], none, sl + 3, 1);
+    auto attn = adapted_linear(l, 1, o.view({tokens, num_heads * head_dim}), w[2], f[1], none);
     auto outs = rms_norm(attn, res, w[3], eps);
     res = outs[1];
-    auto gate_up = adapted_linear(l, 2, outs[0], w[4], f[2], none, sl + 4, 2);
-    hidden = adapted_linear(l, 3, silu_and_mul(gate_up), w[5], f[3], none, sl + 6, 1);
+    auto gate_up = adapted_linear(l, 2, outs[0], w[4], f[2], none);
+    hidden = adapted_linear(l, 3, silu_and_mul(gate_up), w[5], f[3], none);
   }
   return {hidden, res};
 }
