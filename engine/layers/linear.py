@@ -149,16 +149,6 @@ class _Linear(nn.Module):
             self.lora.add_to(y, x, context.lora_slots, backend)  # is linear in this rank's share of x
         return y
 
-    def lora_slices(self) -> tuple[int, ...]:
-        """This rank's output rows of each LoRA part (a fused projection has one per checkpoint module)."""
-        raise NotImplementedError
-
-    def lora_shard(self, shard_id, a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(part, this rank's A, this rank's B) of checkpoint module `shard_id`'s adapter matrices
-        A [r, in] and B [out, r]: what the base weight's shard needs (column-parallel: B's rows)."""
-        part, offset, size, start = self.output_rows(shard_id)
-        return part, a, b.narrow(0, start, size)
-
 
 class ColumnParallelLinear(_Linear):
     """y = x A^T with A's output rows split across ranks; no communication."""
@@ -178,7 +168,14 @@ class ColumnParallelLinear(_Linear):
         return 0, 0, self.out_per_rank, tp_state().rank * self.out_per_rank
 
     def lora_slices(self) -> tuple[int, ...]:
+        """This rank's output rows of each LoRA part (a fused projection has one per checkpoint module)."""
         return (self.out_per_rank,)
+
+    def lora_shard(self, shard_id, a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(part, this rank's A, this rank's B) of checkpoint module `shard_id`'s adapter matrices
+        A [r, in] and B [out, r]: what the base weight's shard needs, B's rows of this rank's outputs."""
+        part, _, size, start = self.output_rows(shard_id)
+        return part, a, b.narrow(0, start, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _, offset, size, start = self.output_rows(shard_id)
