@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -134,14 +135,19 @@ def check_adapter(path: str, shapes: dict[str, tuple[int, int]], max_rank: int) 
                             f"{WEIGHTS_FILE})")
     version = tuple(_mtime(os.path.join(path, f)) for f in (CONFIG_FILE, WEIGHTS_FILE))
     key = (path, version, tuple(sorted(shapes.items())), max_rank)
-    if key not in _checked:
-        if len(_checked) >= _CHECKED_MAX:
-            _checked.pop(next(iter(_checked)))
-        _checked[key] = _check(path, shapes, max_rank)
-    return _checked[key]
+    with _checked_lock:  # the server checks from its event loop and from worker threads
+        info = _checked.get(key)
+    if info is None:
+        info = _check(path, shapes, max_rank)
+        with _checked_lock:
+            if len(_checked) >= _CHECKED_MAX:
+                _checked.pop(next(iter(_checked)))
+            _checked[key] = info
+    return info
 
 
 _checked: dict[tuple, AdapterInfo] = {}
+_checked_lock = threading.Lock()
 _CHECKED_MAX = 1024
 
 
