@@ -92,3 +92,46 @@ def _guard_device_auto() -> None:
 
     resolve_device.guards_device_auto = True
     model_runner.resolve_device = resolve_device
+
+
+# ---------------------------------------------------------------- serial tests run alone under -n 2
+
+_serial_lock_files: list = []  # this worker's (turnstile, run) lock files, opened once
+
+
+def _serial_locks(config):
+    """Two files every xdist worker of this run locks: a test holds `run` shared, a serial test
+    holds it exclusively; the turnstile stops new tests from starting while a serial one waits."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # not under xdist: nothing runs beside the test
+        return None
+    if not _serial_lock_files:
+        import tempfile
+
+        base = os.path.join(tempfile.gettempdir(), f"pagewise-serial-{workerinput['testrunuid']}")
+        _serial_lock_files.extend(open(f"{base}.{name}", "a+") for name in ("turnstile", "run"))
+    return _serial_lock_files
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked serial times itself against an idle CPU: under -n 2 it waits for the other
+    worker's test to end, and the other worker waits for it (fixtures' setup and teardown included)."""
+    locks = _serial_locks(item.config)
+    if locks is None:
+        yield
+        return
+    import fcntl
+
+    turnstile, run = locks
+    serial = item.get_closest_marker("serial") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(run, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+    if not serial:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(run, fcntl.LOCK_UN)
+        if serial:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
