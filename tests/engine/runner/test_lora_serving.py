@@ -171,3 +171,31 @@ def test_the_adapter_slots_take_what_the_planner_counts(lora_models):
         llm.shutdown()
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(base).to_dict())
     assert held == adapter_slot_bytes(spec, 3, 8, 4)
+
+
+def test_adapters_under_preemption_and_prompt_lookup_speculation(lora_models):
+    """A pool too small for the batch preempts and recomputes adapter requests; n-gram speculation
+    verifies drafts through each request's adapter. Both keep PEFT's tokens."""
+    base, adapters = lora_models
+    loras = [None, *adapters]
+    repeated = [[40, 41, 42, 43] * 6]  # a pattern the prompt-lookup proposer drafts from
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    small = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
+                num_kv_blocks=12, block_size=8, max_num_batched_tokens=32)
+    try:
+        outs = small.generate([p for p in PROMPTS for _ in loras], params, use_tqdm=False,
+                              lora_request=[lora for _ in PROMPTS for lora in loras])
+        assert small.engine.stats()["num_preemptions"] > 0
+        assert [o.outputs[0].token_ids for o in outs] == expected(base, loras)
+    finally:
+        small.shutdown()
+    speculating = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
+                      num_kv_blocks=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        outs = speculating.generate(repeated * len(loras), params, use_tqdm=False, lora_request=loras)
+        assert speculating.engine.stats()["num_draft_tokens"] > 0
+        assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(base, lora.lora_path if lora else None,
+                                                                       repeated[0], MAX_TOKENS) for lora in loras]
+    finally:
+        speculating.shutdown()
