@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.lora import LoRAWeights
-from engine.loading.lora_adapter import LoRAAdapter, check_adapter, read_adapter, target_shapes
+from engine.loading.lora_adapter import AdapterError, LoRAAdapter, check_adapter, read_adapter, target_shapes
 from engine.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -52,16 +52,24 @@ class AdapterSlots:
         logger.info("LoRA: %d slots of rank %d in %d layers, %.1f MiB", self.max_loras, self.max_rank,
                     len(self.layers), sum(m.lora.nbytes for m in self.layers.values()) / 2**20)
 
-    def slots(self, adapters: dict[int, LoRARequest]) -> dict[int, int]:
-        """The slot of each adapter a step runs (by id), filling slots as needed."""
+    def slots(self, adapters: dict[int, LoRARequest]) -> tuple[dict[int, int], dict[int, str]]:
+        """The slot of each adapter a step runs (by id), filling slots as needed; and, by id, why an
+        adapter could not be read (its folder changed or went away since admission checked it: the
+        runner fails its streams, the others run)."""
         self.steps += 1
+        unreadable = {}
         for lora_id, request in adapters.items():
             slot = self.slot_of.get(lora_id)
             if slot is None:
+                try:
+                    adapter = self.load(request)
+                except (AdapterError, OSError) as e:
+                    unreadable[lora_id] = f"lora_request: {e}"
+                    continue
                 slot = self._take_slot(adapters)
-                self._fill(slot, request)
+                self._fill(slot, request, adapter)
             self.last_used[slot] = self.steps
-        return self.slot_of
+        return self.slot_of, unreadable
 
     def _take_slot(self, needed: dict[int, LoRARequest]) -> int:
         if None in self.owner:
@@ -73,8 +81,7 @@ class AdapterSlots:
         self.owner[slot] = None
         return slot
 
-    def _fill(self, slot: int, request: LoRARequest) -> None:
-        adapter = self.load(request)
+    def _fill(self, slot: int, request: LoRARequest, adapter: LoRAAdapter) -> None:
         for module in self.layers.values():
             module.lora.clear(slot)
         for name, (a, b) in adapter.weights.items():

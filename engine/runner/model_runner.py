@@ -121,6 +121,8 @@ class StepBatch:
     graph_size: int | None  # the padded batch of a CUDA graph (or its CPU emulation); None: eager
     meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
     lora: bool = False  # some token runs an adapter: lora_slots are staged (such a step runs eagerly)
+    # Streams whose adapter could not be read (its folder went away): run without it, then failed.
+    broken_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -376,7 +378,7 @@ class ModelRunner:
         sample_rows, sample_streams, prompt_rows = [], [], []
         verify_rows, verify_streams = [], []
         pool_chunks, pool_ends = [], []  # embedding requests: rows to sum (mean), rows that finish one
-        adapters = {}  # LoRA: the step's adapters by id, and (adapter id, tokens) per sequence
+        adapters = {}  # LoRA: the step's adapters by id, and (stream, adapter id, tokens) per sequence
         adapter_runs = []
         children: dict[str, list[CachedRequestState]] = {}
         for parent, child in sched.forks:
@@ -402,7 +404,7 @@ class ModelRunner:
             seq_lens.append(end)
             if state.lora_request is not None:
                 adapters[state.lora_request.lora_int_id] = state.lora_request
-            adapter_runs.append((state.lora_request.lora_int_id if state.lora_request is not None else 0, n))
+            adapter_runs.append((req_id, state.lora_request.lora_int_id if state.lora_request is not None else 0, n))
             rows.append(self.inputs.table_row(state))
             width = max(width, len(blocks))
             if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
@@ -433,11 +435,15 @@ class ModelRunner:
             padded_tokens, padded_seqs = self.backend.padded_num_tokens(num_tokens), num_seqs
         self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows + verify_rows,
                           padded_tokens, padded_seqs)
+        broken = {}
         if adapters:
-            slot_of = {**self.adapters.slots(adapters), 0: -1}
-            self.inputs.stage_lora_slots([slot_of[a] for a, n in adapter_runs for _ in range(n)], padded_tokens)
+            slot_of, unreadable = self.adapters.slots(adapters)
+            slot_of = {**slot_of, 0: -1}
+            broken = {r: unreadable[a] for r, a, _ in adapter_runs if a in unreadable}
+            self.inputs.stage_lora_slots([slot_of.get(a, -1) for _, a, n in adapter_runs for _ in range(n)],
+                                         padded_tokens)
         return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, verify_streams, prompt_rows,
-                         pool_chunks, pool_ends, graph_size, lora=bool(adapters))
+                         pool_chunks, pool_ends, graph_size, lora=bool(adapters), broken_adapters=broken)
 
     def _forward(self, step: StepBatch) -> tuple:
         """Queue the step on the device: its inputs (one copy), then the graph replay or the eager
@@ -512,6 +518,7 @@ class ModelRunner:
         out = None
         if self.outputs is not None:
             out = ModelRunnerOutput()
+            out.failed += [(req_id, "AdapterError", why) for req_id, why in step.broken_adapters.items()]
             for state, first, rows in prompt_logits:
                 try:
                     self.outputs.prompt_logprobs(out, state, first, rows)

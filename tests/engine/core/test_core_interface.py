@@ -22,8 +22,8 @@ ATTRIBUTES = sorted(CoreClient.__annotations__)
 
 
 def test_the_protocol_names_what_the_front_end_calls():
-    assert METHODS == ["abort_request", "add_request", "check_health", "check_request", "finish_choice",
-                       "has_unfinished_requests", "shutdown", "stats", "step"]
+    assert METHODS == ["abort_request", "add_request", "check_health", "check_lora", "check_request",
+                       "finish_choice", "has_unfinished_requests", "shutdown", "stats", "step"]
     assert ATTRIBUTES == ["max_model_len", "model_name", "sampling_defaults", "tokenizer"]
 
 

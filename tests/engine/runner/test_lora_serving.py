@@ -199,3 +199,28 @@ def test_adapters_under_preemption_and_prompt_lookup_speculation(lora_models):
                                                                        repeated[0], MAX_TOKENS) for lora in loras]
     finally:
         speculating.shutdown()
+
+
+def test_an_adapter_folder_gone_after_admission_fails_its_request_alone(lora_models, tmp_path):
+    import shutil
+
+    base, adapters = lora_models
+    doomed = LoRARequest("doomed", 9, shutil.copytree(adapters[0].lora_path, tmp_path / "doomed"))
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
+    core = llm.engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        core.check_request(PROMPTS[0], params, doomed)  # admitted: the folder is there
+        shutil.rmtree(doomed.lora_path)
+        core.add_request("gone", PROMPTS[0], params, lora_request=doomed)
+        core.add_request("base", PROMPTS[1], params)
+        outputs = []
+        while core.has_unfinished_requests():
+            outputs += core.step()
+        failed = [o for o in outputs if o.request_id == "gone"]
+        assert failed and failed[-1].invalid_request and "no such folder" in failed[-1].error
+        base_tokens = [t for o in outputs if o.request_id == "base" for t in o.new_token_ids]
+        assert base_tokens == peft_greedy(base, None, PROMPTS[1], 4)
+        assert core.stats()["num_used_blocks"] == 0
+    finally:
+        llm.shutdown()
