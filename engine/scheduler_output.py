@@ -83,8 +83,9 @@ class ModelRunnerOutput:
     # (stream, what raised, the message for its client when the request's own parameters are at fault)
     failed: list[tuple[str, str, str | None]] = field(default_factory=list)
     pooled: list[tuple[str, list[float]]] = field(default_factory=list)  # embedding requests whose prompt is done
-    # Streams that verified drafts: the drafts the model agreed with, in order, then its own next token.
-    verified: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Streams that verified drafts: the drafts the model agreed with, in order, then its own next token,
+    # and each one's top logprobs (None where the stream asks for none).
+    verified: list[tuple[str, list[int], list[dict[int, float] | None]]] = field(default_factory=list)
 
     def extend(self, other: ModelRunnerOutput) -> None:
         self.sampled += other.sampled

@@ -188,13 +188,13 @@ class EngineCore:
             out = self._guarded(req.request_id, self._append_token, parent, req, token)
             if out is not _FAILED:
                 outputs.append(out)
-        for key, tokens in result.verified:
+        for key, tokens, top_logprobs in result.verified:
             req = streams[key]
             self._count_drafts(len(self.scheduler.drafts[key]), len(tokens) - 1)
             parent = self.parents.get(req.request_id)
             if parent is None:
                 continue
-            out = self._guarded(req.request_id, self._append_verified, parent, req, tokens)
+            out = self._guarded(req.request_id, self._append_verified, parent, req, tokens, top_logprobs)
             if out is not _FAILED:
                 outputs.append(out)
         return outputs + self._take_pending()
@@ -206,10 +206,11 @@ class EngineCore:
         for i in range(num_accepted):
             self.num_accepted_tokens_per_pos[i] += 1
 
-    def _append_verified(self, parent: ParentRequest, req: Request, tokens: list[int]) -> CoreOutput:
+    def _append_verified(self, parent: ParentRequest, req: Request, tokens: list[int],
+                         top_logprobs: list) -> CoreOutput:
         """A speculating stream's accepted drafts and the model's next token, as one output; if
         it goes on, its accepted drafts' K/V stand and the rejected ones' blocks are freed."""
-        out = self._append(parent, req, tokens, None)
+        out = self._append(parent, req, tokens, top_logprobs)
         if not req.is_finished:
             self.scheduler.accept_drafts(req, len(tokens) - 1)
         return out

@@ -35,10 +35,10 @@ def speculates(p: SamplingParams) -> bool:
     """Whether a request's tokens may come from verified drafts: what the sampler does at a row is
     computable at each draft's position (temperature, top-k/p, min-p, penalties, logit_bias,
     allowed_token_ids, bad_words and min_tokens read the drafts before it as output; the runner
-    verifies with the sampler's own choice there). Refused: structured output (its matcher would
-    have to advance over the drafts and roll back over the rejected ones), logprobs (not reported
-    for verified tokens) and pooling (nothing is decoded)."""
-    return p.pooling is None and p.logprobs is None and p.structured_outputs is None
+    verifies with the sampler's own choice there, and reports each verified token's logprobs from its
+    row). Refused: structured output (its matcher would have to advance over the drafts and roll back
+    over the rejected ones) and pooling (nothing is decoded)."""
+    return p.pooling is None and p.structured_outputs is None
 
 
 class Scheduler:

@@ -160,7 +160,7 @@ class Sampler:
         token_ids = tokens.tolist()
         for i, state in states.items():  # only once every row has its token: a retry counts nothing twice
             state.add(token_ids[i])
-        return self._results(token_ids, reqs, raw_logprobs)
+        return self.results(token_ids, reqs, raw_logprobs)
 
     def choose(self, logits: torch.Tensor, reqs: list[Stream], draws: dict | None = None):
         """Each row's token (a tensor), the penalty states its rows read (to count the tokens in),
@@ -321,7 +321,8 @@ class Sampler:
         return (probs / noise.log_().neg_()).argmax(dim=-1)
 
     @staticmethod
-    def _results(token_ids: list[int], reqs: list[Stream], raw_logprobs: torch.Tensor | None) -> list[SampledToken]:
+    def results(token_ids: list[int], reqs: list[Stream], raw_logprobs: torch.Tensor | None) -> list[SampledToken]:
+        """Each row's token with its logprob and top logprobs, where its stream asks for them."""
         if raw_logprobs is None:
             return [SampledToken(t, 0.0, None) for t in token_ids]
         n_tops = [r.sampling_params.logprobs for r in reqs]

@@ -98,16 +98,16 @@ class StepOutputs:
         for i, ((state, drafts), targets) in enumerate(zip(streams, chosen)):
             if targets is None:
                 for state, token in self._sample_rows(out, logits[rows[i]:rows[i] + 1], [state]):
-                    out.verified.append((state.req_id, [token.token_id]))
+                    out.verified.append((state.req_id, [token.token_id], [token.top_logprobs]))
                 continue
-            accepted = accepted_length(drafts, targets)
-            tokens = drafts[:accepted] + [targets[accepted]]
+            accepted = accepted_length(drafts, [t.token_id for t in targets])
+            tokens = drafts[:accepted] + [targets[accepted].token_id]
             if rows[i] + accepted in draws:  # a seeded stream goes on after the last row it used
                 state.generator.set_state(draws[rows[i] + accepted])
             if state.sampling_params.penalised:
                 for token in tokens:
                     state.penalty_state.add(token)
-            out.verified.append((state.req_id, tokens))
+            out.verified.append((state.req_id, tokens, [t.top_logprobs for t in targets[:accepted + 1]]))
 
     def _choose_rows(self, logits: torch.Tensor, streams: list[tuple[CachedRequestState, list[int]]]):
         """The sampler's token at every row, per stream, and the seeded rows' generator states after
@@ -115,9 +115,9 @@ class StepOutputs:
         seeded = [s for s, _ in streams if not s.sampling_params.greedy and s.sampling_params.seed is not None]
         before = [(s, None if s.generator is None else s.generator.get_state()) for s in seeded]
         draws = {}
+        views = verify_rows.row_views(streams, logits.shape[-1], logits.device)
         try:
-            tokens, _, _ = self.sampler.choose(logits, verify_rows.row_views(streams, logits.shape[-1],
-                                                                             logits.device), draws)
+            tokens, _, raw_logprobs = self.sampler.choose(logits, views, draws)
         except Exception:
             for s, state in before:
                 if state is None:
@@ -125,10 +125,10 @@ class StepOutputs:
                 else:
                     s.generator.set_state(state)
             raise
-        tokens = tokens.tolist()
+        results = self.sampler.results(tokens.tolist(), views, raw_logprobs)  # the target's logprobs at each row
         chosen, row = [], 0
         for _, drafts in streams:
-            chosen.append(tokens[row:row + len(drafts) + 1])
+            chosen.append(results[row:row + len(drafts) + 1])
             row += len(drafts) + 1
         return chosen, draws
 

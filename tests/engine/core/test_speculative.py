@@ -129,7 +129,7 @@ def test_preemption_and_a_mixed_batch_keep_every_output(tiny_models):
     greedy = COPY_HEAVY + [_random_prompt(30, seed=2)]
     others = [
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5),  # penalised drafts
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),  # no drafts
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),  # logprobs of verified rows
         SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=40, ignore_eos=True),  # sampled drafts
     ]
     prompts = greedy + [[100] * 20] * len(others)
@@ -249,3 +249,26 @@ def test_a_server_streams_verified_tokens_and_exports_the_counters(tiny_models, 
     accepted = metric(counters, "pagewise:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= metric(counters, "pagewise:spec_decode_num_draft_tokens_total")
     assert metric(counters, "pagewise:spec_decode_num_drafts_total") > 0
+
+
+def test_verified_tokens_report_the_logprobs_decoding_reports(tiny_models):
+    """A speculating request with logprobs gets, for each accepted draft and the model's own token, the
+    logprob and top logprobs of its verify row: what the same request gets decoding token by token."""
+    path = tiny_models("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3)
+
+    def run(spec):
+        llm = _llm(path, spec=spec)
+        try:
+            outs = llm.generate(COPY_HEAVY, params, use_tqdm=False)
+            return [o.outputs[0] for o in outs], llm.engine.stats()
+        finally:
+            llm.shutdown()
+
+    (fast, stats), (plain, _) = run(SPEC), run(None)
+    assert stats["num_accepted_tokens"] > 0
+    for a, b in zip(fast, plain):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.logprobs) == 30
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)

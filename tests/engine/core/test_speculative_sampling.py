@@ -181,7 +181,7 @@ def test_drafts_that_never_match_become_rare_and_matching_ones_are_unaffected(ti
 def test_what_speculates_and_what_is_refused():
     assert speculates(SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, presence_penalty=1.0, logit_bias={1: 2.0},
                                      allowed_token_ids=[1, 2], min_tokens=3, n=2, seed=3))
-    assert not speculates(SamplingParams(temperature=1.0, logprobs=0))  # not reported for verified tokens
+    assert speculates(SamplingParams(temperature=1.0, logprobs=0))  # each verified token's row reports them
     assert not speculates(SamplingParams(structured_outputs=GrammarSpec.of("regex", "a+")))  # the matcher
     assert not speculates(SamplingParams(pooling="mean"))
 
@@ -202,4 +202,4 @@ def test_a_stream_whose_draft_row_leaves_no_token_is_verified_as_a_plain_decode_
     verifier = step_outputs.StepOutputs(Sampler([], seed=0, device=torch.device("cpu")), None, None)
     out = ModelRunnerOutput()
     verifier.verify(out, logits, [(bad, [2, 2]), (greedy, [4])])
-    assert out.verified == [("bad", [2]), ("greedy", [4, 5])] and out.failed == []
+    assert out.verified == [("bad", [2], [None]), ("greedy", [4, 5], [None, None])] and out.failed == []
