@@ -102,6 +102,19 @@ def throughput_table(results: list[dict], baseline: str = "engine") -> str:
     )
 
 
+def speculation_line(results: list[dict]) -> str | None:
+    """The engine's speculative decoding, as vLLM reports it: mean accepted length (1 + accepted drafts
+    per draft run) and the acceptance rate of the draft tokens; None when nothing was drafted."""
+    for r in results:
+        stats = (r.get("info") or {}).get("engine_stats") or {}
+        if stats.get("num_drafts"):
+            drafts, accepted = stats["num_draft_tokens"], stats["num_accepted_tokens"]
+            return (f"speculative decoding [{r['backend']}]: mean accepted length "
+                    f"{1 + accepted / stats['num_drafts']:.2f} ({accepted} of {drafts} draft tokens accepted, "
+                    f"{accepted / drafts:.0%}, in {stats['num_drafts']} draft runs)")
+    return None
+
+
 def latency_table(results: list[dict], percentiles: list[float]) -> str:
     rows = []
     for r in results:

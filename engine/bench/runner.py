@@ -208,6 +208,8 @@ def run_offline(args, base_argv: list[str]) -> int:
     if args.bench_mode == "throughput":
         print("\n" + report.throughput_table(results, baseline=backends[0] if "engine" not in backends else "engine"))
         counted = f"{num_requests} requests"
+        if (line := report.speculation_line(results)) is not None:
+            print(line)
     else:
         print("\n" + report.latency_table(results, args.percentiles))
         counted = (f"{num_requests} requests ({args.num_iters} measured batches of {args.batch_size}; "

@@ -297,3 +297,13 @@ def test_the_live_line_shows_requests_under_way_before_any_finishes():
     early = asyncio.run(run(bar))
     assert early.startswith("sent 3, in flight 3, done 0, ") and early.endswith(" tok/s")
     assert bar.shown[-1].startswith("sent 3, in flight 1, done 2, 1 failed, ") and bar.updates == 2 and bar.closed
+
+
+def test_the_speculation_line_reports_vllms_mean_accepted_length():
+    from engine.bench.report import speculation_line
+
+    stats = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 25}
+    line = speculation_line([{"backend": "engine", "info": {"engine_stats": stats}}])
+    assert "mean accepted length 3.50" in line and "25 of 40" in line and "62%" in line
+    assert speculation_line([{"backend": "engine", "info": {"engine_stats": {"num_drafts": 0}}}]) is None
+    assert speculation_line([{"backend": "vllm", "error": "no vllm"}]) is None
