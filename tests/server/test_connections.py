@@ -76,6 +76,14 @@ def _serves_within(server, seconds: float = 10.0) -> None:
     assert time.monotonic() - t0 < seconds
 
 
+def _unread(port: int) -> int:
+    """Connections to `port` not yet accepted plus bytes sent to it not yet read, as the kernel counts
+    them (/proc/net/tcp: a listening socket's rx_queue is its accept queue)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(int(row[4].split(":")[1], 16) for row in rows if int(row[1].split(":")[1], 16) == port)
+
+
 def _open_fds(server) -> int:
     return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
 
@@ -131,7 +139,12 @@ def test_past_the_limit_new_connections_get_503_and_health_still_answers(limited
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{")
             busy.append(s)
-        time.sleep(1.0)  # the server has read every one of them
+        # Until the server has read every one of them, a new connection may close one as idle: wait until
+        # the kernel holds nothing unread for it (a moment, longer on a loaded CPU), then ask.
+        deadline = time.monotonic() + 60
+        while _unread(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _unread(port)
         r = httpx.get(limited.base_url + "/models", timeout=5)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "too_many_connections"
