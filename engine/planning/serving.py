@@ -104,9 +104,11 @@ def served_len(spec: ModelSpec, requested: int | None) -> tuple[int, bool]:
     model's positions), refused past the positions and cut to the window, as engine/runner/model_runner.py
     does (its attention is always full)."""
     length = requested or spec.max_position_embeddings
-    if length > spec.max_position_embeddings:
-        raise PlanError("max_model_len", f"{length} exceeds the model's max_position_embeddings "
-                                         f"({spec.max_position_embeddings}), which the engine refuses too")
+    limit = spec.position_limit or spec.max_position_embeddings
+    if length > limit:
+        raise PlanError("max_model_len", f"{length} exceeds the model's longest context ({limit}: "
+                                         "max_position_embeddings, times a yarn/dynamic/linear rope factor), "
+                                         "which the engine refuses too")
     if spec.sliding_window and spec.sliding_window < length:
         return spec.sliding_window, True
     return length, False

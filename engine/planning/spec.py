@@ -59,6 +59,25 @@ class Projection(NamedTuple):
     place: str  # ParamTensor.place: "layer", "dense" (a dense MLP) or "moe" (an MoE layer's shared expert)
 
 
+# Rope scalings that stretch positions by `factor` for every sequence: a context of the trained length
+# times the factor is theirs to serve (vLLM's rule; llama3 and longrope state their own length).
+STRETCHING_ROPE_TYPES = ("yarn", "dynamic", "linear")
+
+
+def position_limit(cfg: dict) -> int:
+    """The longest context a config may serve: max_position_embeddings, or for a yarn, dynamic or linear
+    rope scaling its factor times the trained length (yarn's original_max_position_embeddings where it
+    names one), as vLLM lets --max-model-len reach; the default context stays max_position_embeddings."""
+    positions = cfg.get("max_position_embeddings", 2048)
+    scaling = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor") or 1.0
+    if kind not in STRETCHING_ROPE_TYPES or factor <= 1:
+        return positions
+    trained = scaling.get("original_max_position_embeddings") if kind == "yarn" else None
+    return max(positions, int((trained or positions) * factor))
+
+
 def _window_caps_context(cfg: dict, model_type: str) -> bool:
     """Whether the config's sliding window caps the served context: it is turned on, and the family's
     layers do not mask it themselves."""
@@ -76,6 +95,7 @@ class ModelSpec:
     ffn_hidden_size: int
     vocab_size: int
     max_position_embeddings: int = 2048
+    position_limit: int = 0  # the longest context --max-model-len may ask (position_limit()); 0: the above
     mlp: str = "swiglu"
     norm: str = "rmsnorm"
     tie_word_embeddings: bool = False
@@ -155,7 +175,7 @@ class ModelSpec:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,  # explicit head_dim wins (Qwen3)
             ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048), position_limit=position_limit(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 and Qwen2-MoE hard-code bias on q, k, v only
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,

@@ -151,12 +151,14 @@ class ModelRunner:
         hf = source.hf_config
         self.hf_config = hf
         self.block_size = config.block_size
-        model_len = getattr(hf, "max_position_embeddings", None) or 2048
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({model_len}); use a value <= {model_len}")
-        self.max_model_len = config.max_model_len or model_len
         self.spec = ModelSpec.from_hf_config(hf.to_dict())
+        model_len = getattr(hf, "max_position_embeddings", None) or 2048
+        limit = self.spec.position_limit or model_len  # a stretching rope scaling serves its factor's length
+        if config.max_model_len is not None and config.max_model_len > limit:
+            stretched = f", {limit} with its rope scaling" if limit > model_len else ""
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({model_len}{stretched}); use a value <= {limit}")
+        self.max_model_len = config.max_model_len or model_len
         window = self.spec.sliding_window  # None where the layers mask their own window (Gemma)
         if window and window < self.max_model_len:
             # Attention here is always full; within the window, full and sliding attention agree.

@@ -156,3 +156,32 @@ def test_yarn_from_gguf_metadata_matches_transformers(tmp_path, monkeypatch):
     prompts = [list(range(3, 60)), [5, 9, 33]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 6) for p in prompts]
+
+
+def test_a_stretching_rope_scaling_serves_its_factor_times_the_trained_length(tmp_path):
+    """As vLLM: with yarn (a static stretch) over the model's own max_position_embeddings (Qwen2.5's hub
+    configs), --max-model-len may reach original x factor, token for token with transformers past the
+    trained length; the default context stays max_position_embeddings, and past the stretch is refused."""
+    from engine.planning.spec import position_limit
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    path = build_tiny_model(tmp_path / "yarn", model_type="llama", head_dim=16, max_position_embeddings=64,
+                            rope_scaling=yarn)
+    assert position_limit({"max_position_embeddings": 64, "rope_scaling": yarn}) == 256
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    assert position_limit({"max_position_embeddings": 64, "rope_scaling": dynamic}) == 128
+    assert position_limit({"max_position_embeddings": 64, "rope_scaling": LONGROPE}) == 64  # states its own length
+    llm = LLM(path, device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256, seed=0)
+    try:
+        prompt = [random.Random(7).randrange(3, llm.engine.vocab_size) for _ in range(150)]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 8)
+    finally:
+        llm.shutdown()
+    default = LLM(path, device="cpu", num_kv_blocks=64, block_size=16)
+    try:
+        assert default.engine.max_model_len == 64
+    finally:
+        default.shutdown()
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings \\(64, 256 with its rope"):
+        LLM(path, device="cpu", num_kv_blocks=64, max_model_len=257)
