@@ -62,6 +62,7 @@ def test_closed_loop_replays_the_scheduler_chunked_prefill_and_decodes_in_one_st
     assert simulate_wave(spec, one_second, 128, 64, 1, budget=2048, dtype_bytes=2, kv_dtype_bytes=2) == ([1.0], [64.0])
 
 
+@pytest.mark.serial  # the curves are timed once each on the spot: a parallel neighbour's load bends them
 def test_cpu_device_is_measured_through_the_engine_kernels_and_predicts():
     pytest.importorskip("torch")
     from engine.planning.measure import measure_cpu
