@@ -146,7 +146,7 @@ class _Linear(nn.Module):
         else:
             y = backend.linear(x, self.weight, bias, self.packed_weight)
         if self.lora is not None and context.lora_slots is not None:  # before a row-parallel reduction: B A x
-            self.lora.add_to(y, x, context.lora_slots, backend)  # is linear in this rank's share of x
+            self.lora.add_to(y, x, context.lora_slots)  # is linear in this rank's share of x
         return y
 
 

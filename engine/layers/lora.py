@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.context import get_forward_context
+
 
 class LoRAWeights:
     """One linear layer's adapter slots: A [slots, parts * rank, in], B [slots, out, rank]."""
@@ -36,8 +38,9 @@ class LoRAWeights:
         outs = slice(self.offsets[part], self.offsets[part] + self.out_slices[part])
         self.b[slot, outs, :r].copy_(b.float() * scaling)
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, backend) -> torch.Tensor:
-        """y += each token's adapter's B A x (in place; y returned)."""
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """y += each token's adapter's B A x (in place; y returned), by the step's backend."""
+        backend = get_forward_context().backend
         buf = backend.lora_shrink(x, self.a, token_slots)
         backend.lora_expand(y, buf, self.b, token_slots, self.out_slices)
         return y

@@ -49,7 +49,7 @@ class FakeCore:
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params):
+    def add_request(self, request_id, prompt_token_ids, sampling_params, arrival_time=None, lora_request=None):
         self._touch()  # the front end checked it (check_request) before handing it over
         self.reqs[request_id] = (list(prompt_token_ids), sampling_params, [])
         self.waiting.append(request_id)
@@ -68,7 +68,7 @@ class FakeCore:
             if rid in q:
                 q.remove(rid)
 
-    def check_request(self, ids, params):
+    def check_request(self, ids, params, lora_request=None):
         self.checks.append(str(ids))
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
