@@ -1417,6 +1417,7 @@ struct DecoderLayers {
   // in place), each linear's output rows per part (qkv's 3, o's 1, gate_up's 2, down's 1), the two ops.
   std::vector<at::Tensor> lora;
   std::vector<std::vector<int64_t>> lora_slices;
+  std::vector<at::Tensor> lora_filled;  // per linear: bool [slots], the slots whose adapter targets it
   LoraShrinkFn lora_shrink = nullptr;
   LoraExpandFn lora_expand = nullptr;
 
@@ -1435,13 +1436,14 @@ struct DecoderLayers {
                 "DecoderLayers: 9 weights, 4 formats, 2 caches, 2 scales a layer");
   }
 
-  void bind_lora(std::vector<at::Tensor> ab, std::vector<std::vector<int64_t>> slices, int64_t shrink_address,
-                 int64_t expand_address) {
+  void bind_lora(std::vector<at::Tensor> ab, std::vector<std::vector<int64_t>> slices,
+                 std::vector<at::Tensor> filled, int64_t shrink_address, int64_t expand_address) {
     const size_t layers = weights.size() / kLayerWeights;
-    TORCH_CHECK(ab.size() == 8 * layers && slices.size() == 4 * layers,
-                "DecoderLayers.bind_lora: A and B of 4 linears a layer, and each linear's part sizes");
+    TORCH_CHECK(ab.size() == 8 * layers && slices.size() == 4 * layers && filled.size() == 4 * layers,
+                "DecoderLayers.bind_lora: A and B of 4 linears a layer, each linear's part sizes and filled slots");
     lora = std::move(ab);
     lora_slices = std::move(slices);
+    lora_filled = std::move(filled);
     lora_shrink = reinterpret_cast<LoraShrinkFn>(shrink_address);
     lora_expand = reinterpret_cast<LoraExpandFn>(expand_address);
   }
@@ -1465,11 +1467,21 @@ std::vector<at::Tensor> DecoderLayers::forward(at::Tensor hidden, c10::optional<
   TORCH_CHECK(!adapted || (!lora.empty() && lora_slots->scalar_type() == at::kInt && lora_slots->is_contiguous() &&
                            lora_slots->numel() == hidden.size(0)),
               "DecoderLayers: lora_slots need bind_lora and one int32 slot a token");
-  // The layer's linear, then its adapters' B A x.
+  std::vector<int32_t> step_slots;  // the distinct adapter slots of this step's tokens
+  if (adapted) {
+    const int32_t* s = lora_slots->data_ptr<int32_t>();
+    for (int64_t t = 0; t < lora_slots->numel(); ++t) {
+      if (s[t] >= 0 && std::find(step_slots.begin(), step_slots.end(), s[t]) == step_slots.end()) {
+        step_slots.push_back(s[t]);
+      }
+    }
+  }
+  // The layer's linear, then its adapters' B A x where one of the step's adapters targets it.
   auto adapted_linear = [&](size_t l, int which, const at::Tensor& x, const at::Tensor& w, int64_t fmt,
                             const at::Tensor& bias) {
     auto y = layer_linear(linear, x, w, fmt, bias);
-    if (adapted) {
+    const bool* filled = adapted ? lora_filled[4 * l + which].data_ptr<bool>() : nullptr;
+    if (adapted && std::any_of(step_slots.begin(), step_slots.end(), [&](int32_t s) { return filled[s]; })) {
       const at::Tensor buf = lora_shrink(x, lora[8 * l + 2 * which], *lora_slots);
       lora_expand(y, buf, lora[8 * l + 2 * which + 1], *lora_slots, lora_slices[4 * l + which]);
     }

@@ -33,14 +33,15 @@ class ForwardContext:
     # LoRA: each token's adapter slot (-1: the base model), int32 [tokens]; None when no token of the
     # step runs an adapter (engine/layers/lora.py).
     lora_slots: torch.Tensor | None = None
+    lora_step_slots: tuple[int, ...] = ()  # the distinct slots among them
 
 
 _local = threading.local()
 
 
-def set_forward_context(attn: AttentionMetadata, backend: kernels.Backend,
-                        lora_slots: torch.Tensor | None = None) -> None:
-    _local.context = ForwardContext(attn, backend, lora_slots)
+def set_forward_context(attn: AttentionMetadata, backend: kernels.Backend, lora_slots: torch.Tensor | None = None,
+                        lora_step_slots: tuple[int, ...] = ()) -> None:
+    _local.context = ForwardContext(attn, backend, lora_slots, lora_step_slots)
 
 
 def get_forward_context() -> ForwardContext:
@@ -54,9 +55,10 @@ def reset_forward_context() -> None:
 
 
 @contextlib.contextmanager
-def forward_context(attn: AttentionMetadata, backend: kernels.Backend, lora_slots: torch.Tensor | None = None):
+def forward_context(attn: AttentionMetadata, backend: kernels.Backend, lora_slots: torch.Tensor | None = None,
+                    lora_step_slots: tuple[int, ...] = ()):
     """set_forward_context for the duration of a `with` block."""
-    set_forward_context(attn, backend, lora_slots)
+    set_forward_context(attn, backend, lora_slots, lora_step_slots)
     try:
         yield
     finally:

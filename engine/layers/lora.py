@@ -25,10 +25,18 @@ class LoRAWeights:
         self.offsets = [sum(self.out_slices[:i]) for i in range(len(self.out_slices))]
         self.a = torch.zeros(max_loras, len(self.out_slices) * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, sum(self.out_slices), max_rank, dtype=dtype, device=device)
+        # The slots whose adapter targets this layer (on the host, read by the fused CPU layers too): a step
+        # whose adapters all leave it alone (say q/v-only ones at an MLP) skips its shrink and expand.
+        self.filled = torch.zeros(max_loras, dtype=torch.bool)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.filled[slot] = False
+
+    def adapts(self, step_slots: tuple[int, ...]) -> bool:
+        """Whether an adapter of this step (its slots) targets this layer."""
+        return any(self.filled[s] for s in step_slots)
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Part `part`'s A [r, in] and B [out of the part, r] (this rank's shard) into slot `slot`."""
@@ -37,6 +45,7 @@ class LoRAWeights:
         self.a[slot, rows].copy_(a)
         outs = slice(self.offsets[part], self.offsets[part] + self.out_slices[part])
         self.b[slot, outs, :r].copy_(b.float() * scaling)
+        self.filled[slot] = True
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter's B A x (in place; y returned), by the step's backend."""

@@ -99,7 +99,8 @@ class CpuFusedLayers:
             adapted = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             self._stack.bind_lora([t for m in adapted for t in (m.lora.a, m.lora.b)],
-                                  [list(m.lora.out_slices) for m in adapted], *cpu_build.load_lora().addresses())
+                                  [list(m.lora.out_slices) for m in adapted], [m.lora.filled for m in adapted],
+                                  *cpu_build.load_lora().addresses())
         self._bound_to = self.layers[0].self_attn.attn.k_cache
 
     def _takes(self, hidden: torch.Tensor, meta) -> bool:

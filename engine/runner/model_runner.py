@@ -120,7 +120,7 @@ class StepBatch:
     pool_ends: list  # embedding requests: the row that finishes one
     graph_size: int | None  # the padded batch of a CUDA graph (or its CPU emulation); None: eager
     meta: AttentionMetadata | None = None  # the eager forward's, set once the inputs are on the device
-    lora: bool = False  # some token runs an adapter: lora_slots are staged (such a step runs eagerly)
+    lora_step_slots: tuple[int, ...] = ()  # the adapter slots some token runs (lora_slots are staged; eager)
     # Streams whose adapter could not be read (its folder went away): run without it, then failed.
     broken_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -437,15 +437,16 @@ class ModelRunner:
             padded_tokens, padded_seqs = self.backend.padded_num_tokens(num_tokens), num_seqs
         self.inputs.stage(ids, positions, slots, query_start, seq_lens, rows, sample_rows + verify_rows,
                           padded_tokens, padded_seqs)
-        broken = {}
+        broken, step_slots = {}, ()
         if adapters:
             slot_of, unreadable = self.adapters.slots(adapters)
+            step_slots = tuple(sorted({slot_of[a] for a in adapters if a in slot_of}))
             slot_of = {**slot_of, 0: -1}
             broken = {r: unreadable[a] for r, a, _ in adapter_runs if a in unreadable}
             self.inputs.stage_lora_slots([slot_of.get(a, -1) for _, a, n in adapter_runs for _ in range(n)],
                                          padded_tokens)
         return StepBatch(num_tokens, padded_tokens, num_seqs, width, sample_streams, verify_streams, prompt_rows,
-                         pool_chunks, pool_ends, graph_size, lora=bool(adapters), broken_adapters=broken)
+                         pool_chunks, pool_ends, graph_size, lora_step_slots=step_slots, broken_adapters=broken)
 
     def _forward(self, step: StepBatch) -> tuple:
         """Queue the step on the device: its inputs (one copy), then the graph replay or the eager
@@ -470,8 +471,8 @@ class ModelRunner:
         )
         step.meta.plan = self.backend.plan_attention(step.meta.block_tables, step.meta.query_start_loc,
                                                      step.meta.seq_lens, self.block_size)
-        lora_slots = inputs.view("lora_slots", n) if step.lora else None
-        with forward_context(step.meta, self.backend, lora_slots):
+        lora_slots = inputs.view("lora_slots", n) if step.lora_step_slots else None
+        with forward_context(step.meta, self.backend, lora_slots, step.lora_step_slots):
             hidden, residual = self.model(inputs.view("input_ids", n), inputs.view("positions", n))
             logits, prompt_logits = None, []
             if self.last_stage:
