@@ -9,12 +9,12 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from engine.sampling_params import RequestError
 from server.adapters import LoRAModule
 from server.errors import APIError, bad_request
 from server.openapi import route_docs
 from server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from server.routes.common import parse_body, request_error
-from engine.sampling_params import RequestError
 from server.state import ServerState, get_state
 
 router = APIRouter()
