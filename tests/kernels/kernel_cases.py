@@ -75,8 +75,10 @@ def make_batch(q_lens: list[int], seq_lens: list[int], *, num_kv_heads: int = 2,
                  lens.to(**to), 1.0 / math.sqrt(head_dim), num_tokens)
 
 
-def naive_attention(b: Batch) -> torch.Tensor:
-    """Float64, one query row at a time, straight from the definition in kernels/reference.py."""
+def naive_attention(b: Batch, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
+    """Float64, one query row at a time, straight from the definition in kernels/reference.py: with a
+    window a query at position p sees keys after p - window, a cap bends scores to cap * tanh(s / cap),
+    and a sink per head joins each row's softmax denominator."""
     block_size, num_kv_heads = b.k_cache.shape[1], b.k_cache.shape[2]
     group = b.query.shape[1] // num_kv_heads
     out = torch.full(b.query.shape, NAN, dtype=torch.float64)
@@ -89,9 +91,16 @@ def naive_attention(b: Batch) -> torch.Tensor:
         q_len = qsl[i + 1] - qsl[i]
         for j in range(q_len):
             pos = seq_len - q_len + j
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             for h in range(query.shape[1]):
-                scores = (k[: pos + 1, h // group] @ query[qsl[i] + j, h]) * b.scale
-                out[qsl[i] + j, h] = torch.softmax(scores, 0) @ v[: pos + 1, h // group]
+                scores = (k[first: pos + 1, h // group] @ query[qsl[i] + j, h]) * b.scale
+                if logits_soft_cap is not None:
+                    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+                sink = None if sinks is None else float(sinks[h].double())
+                top = scores.max() if sink is None else max(scores.max(), torch.tensor(sink, dtype=torch.float64))
+                weights = (scores - top).exp()
+                denominator = weights.sum() + (0.0 if sink is None else float(torch.exp(sink - top)))
+                out[qsl[i] + j, h] = weights @ v[first: pos + 1, h // group] / denominator
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 import kernels
 from kernels import cpu_build, reference
 from kernels.triton_heuristics import TileConfig
-from tests.kernels.kernel_cases import DEVICE, DTYPES, NAN, TOLERANCE, make_batch, to_cpu_layout
+from tests.kernels.kernel_cases import DEVICE, DTYPES, NAN, TOLERANCE, make_batch, naive_attention, to_cpu_layout
 
 CPU_ERROR = cpu_build.available() if DEVICE == "cpu" else RuntimeError("the cpu backend runs on CPU tensors")
 
@@ -32,31 +32,6 @@ FEATURES = {
 # Decodes at short, odd and block-edge contexts, a prefill chunk after a cached prefix that ends
 # mid-block, and a whole prompt: with block_size 16 and GQA 4 (2 KV heads).
 Q_LENS, SEQ_LENS = [1, 7, 1, 1, 19], [37, 40, 16, 3, 19]
-
-
-def naive(b, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
-    """Float64, one query row and head at a time, over the keys gathered from the block table."""
-    block_size, num_kv_heads = b.k_cache.shape[1], b.k_cache.shape[2]
-    group = b.query.shape[1] // num_kv_heads
-    out = torch.full(b.query.shape, NAN, dtype=torch.float64)
-    qsl, lens, table = b.query_start_loc.tolist(), b.seq_lens.tolist(), b.block_tables.cpu()
-    k_cache, v_cache, query = (t.cpu().double() for t in (b.k_cache, b.v_cache, b.query))
-    for i, seq_len in enumerate(lens):
-        blocks = table[i, :-(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
-        q_len = qsl[i + 1] - qsl[i]
-        for j in range(q_len):
-            pos = seq_len - q_len + j
-            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(query.shape[1]):
-                scores = (k[first: pos + 1, h // group] @ query[qsl[i] + j, h]) * b.scale
-                if logits_soft_cap is not None:
-                    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-                weights = scores.exp()
-                denominator = weights.sum() + (0.0 if sinks is None else float(sinks[h].double().exp()))
-                out[qsl[i] + j, h] = weights @ v[first: pos + 1, h // group] / denominator
-    return out
 
 
 def with_sinks(b, features: dict) -> dict:
@@ -81,7 +56,7 @@ def check(got: torch.Tensor, b, features: dict) -> None:
     atol, rtol = TOLERANCE[b.query.dtype]
     got = got[: b.num_tokens].cpu().double()
     assert not got.isnan().any(), "an output row was left unwritten or read a slot outside its context"
-    torch.testing.assert_close(got, naive(b, **features)[: b.num_tokens], atol=atol, rtol=rtol)
+    torch.testing.assert_close(got, naive_attention(b, **features)[: b.num_tokens], atol=atol, rtol=rtol)
 
 
 def backend_or_skip(backend: str, request):
@@ -94,13 +69,10 @@ def test_the_oracle_sees_each_feature():
     # Each feature changes the float64 answer on this batch (so the checks below can fail), and a
     # window wider than every context changes nothing.
     b = make_batch(Q_LENS, SEQ_LENS, num_kv_heads=2, group=4, dtype=torch.float64)
-    plain = naive(b)
+    plain = naive_attention(b)
     for name, features in FEATURES.items():
-        assert not torch.allclose(naive(b, **with_sinks(b, features)), plain, atol=1e-3), name
-    torch.testing.assert_close(naive(b, sliding_window=1000), plain)
-    # And the oracle without features is kernel_cases' own float64 attention.
-    from tests.kernels.kernel_cases import naive_attention
-    torch.testing.assert_close(plain, naive_attention(b))
+        assert not torch.allclose(naive_attention(b, **with_sinks(b, features)), plain, atol=1e-3), name
+    torch.testing.assert_close(naive_attention(b, sliding_window=1000), plain)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,7 +125,7 @@ def test_window_skips_blocks_it_cannot_see(request, backend):
     if backend == "cpu":
         b = to_cpu_layout(b)
     features = dict(sliding_window=window)
-    want = naive(b, **features)
+    want = naive_attention(b, **features)
     for i, (q_len, seq_len) in enumerate(zip(q_lens, b.seq_lens.tolist())):
         first_seen = (seq_len - q_len - window + 1) // block_size  # the first row's oldest visible key's block
         for j in range(first_seen):
