@@ -79,6 +79,19 @@ def lora_shrink_tiled_kernel(x_ptr, a_ptr, slots_ptr, buf_ptr, num_tokens, strid
     tl.store(buf_ptr + toks[:, None].to(tl.int64) * N + rows[None, :], acc, mask=tok_mask[:, None] & row_mask[None, :])
 
 
+@triton.jit
+def _slice_of(cols, bound1, bound2, bound3, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Which of up to 4 output slices each column falls in (`boundN`: where slice N starts)."""
+    part = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if NUM_SLICES > 1:
+        part += (cols >= bound1).to(tl.int32)
+    if NUM_SLICES > 2:
+        part += (cols >= bound2).to(tl.int32)
+    if NUM_SLICES > 3:
+        part += (cols >= bound3).to(tl.int32)
+    return part
+
+
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def lora_expand_kernel(y_ptr, buf_ptr, b_ptr, slots_ptr, stride_y, stride_buf, stride_b,
                        bound1, bound2, bound3,
@@ -90,13 +103,7 @@ def lora_expand_kernel(y_ptr, buf_ptr, b_ptr, slots_ptr, stride_y, stride_buf, s
         return  # a token of the base model: its row of y stays as it was
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_mask = cols < M
-    part = tl.zeros([BLOCK_M], dtype=tl.int32)  # each column's slice
-    if NUM_SLICES > 1:
-        part += (cols >= bound1).to(tl.int32)
-    if NUM_SLICES > 2:
-        part += (cols >= bound2).to(tl.int32)
-    if NUM_SLICES > 3:
-        part += (cols >= bound3).to(tl.int32)
+    part = _slice_of(cols, bound1, bound2, bound3, NUM_SLICES, BLOCK_M)  # each column's slice
     ranks = tl.arange(0, R_PAD)
     mask = col_mask[:, None] & (ranks < R)[None, :]
     v = tl.load(buf_ptr + tok * stride_buf + part[:, None] * R + ranks[None, :], mask=mask, other=0.0)
@@ -120,13 +127,7 @@ def lora_expand_tiled_kernel(y_ptr, buf_ptr, b_ptr, slots_ptr, num_tokens, strid
     last = tl.max(slots)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_mask = cols < M
-    part = tl.zeros([BLOCK_M], dtype=tl.int32)
-    if NUM_SLICES > 1:
-        part += (cols >= bound1).to(tl.int32)
-    if NUM_SLICES > 2:
-        part += (cols >= bound2).to(tl.int32)
-    if NUM_SLICES > 3:
-        part += (cols >= bound3).to(tl.int32)
+    part = _slice_of(cols, bound1, bound2, bound3, NUM_SLICES, BLOCK_M)  # each column's slice
     ranks = tl.arange(0, R_PAD)
     rank_mask = ranks < R
     acc = tl.zeros([TILE_TOKENS, BLOCK_M], dtype=tl.float32)
