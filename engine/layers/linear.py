@@ -145,9 +145,9 @@ class _Linear(nn.Module):
             y = self.quant_format.linear(x, self.weight, bias, backend.name, self.activations, self.packed_weight)
         else:
             y = backend.linear(x, self.weight, bias, self.packed_weight)
-        if self.lora is not None and context.lora_slots is not None and self.lora.adapts(context.lora_step_slots):
-            # before a row-parallel reduction: B A x
-            self.lora.add_to(y, x, context.lora_slots)  # is linear in this rank's share of x
+        if self.lora is not None and self.lora.adapts(context.lora_step_slots):  # (no slots: no LoRA step)
+            # Before a row-parallel reduction too: B A x is linear in this rank's share of x.
+            self.lora.add_to(y, x, context.lora_slots)
         return y
 
 
